@@ -1,0 +1,252 @@
+"""Chunk loop and autograd.Function of ``fused_topk_kl``.
+
+Per chunk of c tokens (three GEMMs in all, the floor):
+
+    z   = h_c · W_localᵀ                      GEMM 1, fp32 out            [c, V_local]
+    local row stats, z -> e in place           topk_kl_torch.local_row_stats_
+    all-gather [c, 6] across the TP group      one small collective
+    e -> G = dLoss/dz in place                 topk_kl_torch.logit_grad_
+    grad_h[c]  = G · W_local                   GEMM 2
+    grad_W    += Gᵀ · h_c                      GEMM 3, fp32 accumulation
+
+Only one [c, V_local] block is alive at a time (plus its low-precision copy for GEMMs 2-3 on CUDA).
+Gradients are complete when forward returns; backward multiplies them by the incoming gradient.
+Under TP, grad_h is a partial sum over vocabulary shards: all-reduced at the end, or
+reduce-scattered back to the sequence shard under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_kd.ops import topk_kl_torch as chunk_math
+from megatron_kd.ops.comm import (
+    all_gather_stack,
+    all_reduce_sum_,
+    gather_first_dim,
+    group_rank,
+    group_size,
+    reduce_scatter_first_dim,
+)
+from megatron_kd.ops.topk_kl import TopKKLOptions
+
+_MiB = 1 << 20
+# Budget for the fp32 logits block. On CUDA this keeps the op within ~0.5 GiB of its inputs and
+# gradients while a chunk stays large enough (>= a few hundred rows at V = 201K) for full-rate GEMMs.
+_CUDA_BLOCK_BYTES = 256 * _MiB
+_CPU_BLOCK_BYTES = 32 * _MiB
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def auto_chunk_size(
+    num_tokens: int,
+    vocab_local: int,
+    *,
+    device: torch.device,
+    block_dtype: torch.dtype,
+    gemm_dtype: torch.dtype,
+    extra_block: bool,
+) -> int:
+    """Tokens per chunk such that the chunk's [c, V_local] buffers fit the block budget.
+
+    Per row: the fp32 (fp64) logits/gradient block, its copy in the GEMM dtype when that differs,
+    and one more block when temperature != 1 with labels (softmax at τ and at 1 both needed).
+    """
+    row_bytes = vocab_local * block_dtype.itemsize * (2 if extra_block else 1)
+    if gemm_dtype != block_dtype:
+        row_bytes += vocab_local * gemm_dtype.itemsize
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = min(_CUDA_BLOCK_BYTES, free // 8)
+    else:
+        budget = _CPU_BLOCK_BYTES
+    chunk = max(1, budget // max(row_bytes, 1))
+    if chunk >= 128:
+        chunk -= chunk % 64  # whole tensor-core tiles
+    return int(max(1, min(chunk, num_tokens)))
+
+
+def _mixed_gemms(t: torch.Tensor) -> bool:
+    # cuBLAS multiplies bf16/fp16 operands into fp32 outputs; CPU kernels cannot (no out_dtype),
+    # so there everything runs in the accumulation dtype on upcast operands.
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with low-precision operands and an fp32 accumulator (CUDA)."""
+    torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+
+
+def topk_kl_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    opts: TopKKLOptions,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+):
+    """Loss, stats [4] and the gradients (grad_hidden, grad_weight or None for each)."""
+    group = opts.tp_group
+    rank = group_rank(group)
+    tau = float(opts.temperature)
+    acc = accumulation_dtype(hidden.dtype)
+    mixed = _mixed_gemms(hidden)
+    has_labels = labels is not None
+    fuse_main_grad = need_grad_weight and opts.gradient_accumulation_fusion
+
+    full_hidden = gather_first_dim(hidden, group) if opts.sequence_parallel else hidden
+    h2d = full_hidden.reshape(-1, full_hidden.shape[-1])
+    num_tokens, vocab_local = h2d.shape[0], weight.shape[0]
+    vocab_start = rank * vocab_local
+    ids2d = topk_ids.reshape(num_tokens, -1)
+    lps2d = topk_logprobs.reshape(num_tokens, -1)
+    labels1d = labels.reshape(num_tokens) if has_labels else None
+    mask = loss_mask.reshape(num_tokens).to(acc) if loss_mask is not None else h2d.new_ones(num_tokens, dtype=acc)
+
+    tokens = mask.sum()
+    if opts.reduction == "mean":
+        inv_tokens = torch.where(tokens > 0, 1.0 / tokens.clamp_min(1e-30), 0.0)
+        row_weight = mask * inv_tokens  # ρ
+    else:
+        inv_tokens = None
+        row_weight = mask
+
+    need_grad = need_grad_hidden or need_grad_weight
+    chunk = opts.chunk_size or auto_chunk_size(
+        num_tokens, vocab_local, device=hidden.device, block_dtype=acc,
+        gemm_dtype=weight.dtype if mixed else acc,
+        extra_block=has_labels and tau != 1.0,
+    )
+    # CPU with bf16/fp16 inputs: one upcast copy of the shard (no mixed-precision GEMMs there).
+    w_gemm = weight if mixed else weight.to(acc)
+
+    grad_h2d = torch.empty_like(h2d) if need_grad_hidden else None
+    grad_w_acc = None
+    if need_grad_weight:
+        if fuse_main_grad:
+            grad_w_acc = weight.main_grad
+        else:
+            grad_w_acc = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+
+    totals = torch.zeros(4, dtype=acc, device=hidden.device)  # loss, Σρ'·kd, Σρ'·ce, Σρ'·M
+    for start in range(0, num_tokens, chunk):
+        end = min(start + chunk, num_tokens)
+        h_c = h2d[start:end]
+        h_c_gemm = h_c if mixed else h_c.to(acc)
+        if mixed:
+            block = torch.mm(h_c, weight.t(), out_dtype=acc)
+        else:
+            block = h_c_gemm @ w_gemm.t()
+
+        teacher = chunk_math.teacher_terms(
+            ids2d[start:end], lps2d[start:end], tail=opts.tail, temperature=tau,
+            vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc,
+        )
+        label_idx = label_owned = None
+        if has_labels:
+            label_idx, label_owned = chunk_math.local_labels(
+                labels1d[start:end], vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc
+            )
+        local, z_s = chunk_math.local_row_stats_(block, teacher, label_idx, label_owned, tau)
+        rs = chunk_math.combine_row_stats(all_gather_stack(local, group), rank, tau, has_labels)
+        kd, ce = chunk_math.row_losses(teacher, rs, tau, opts.tail)
+
+        rho, m_c = row_weight[start:end], mask[start:end]
+        row_loss = (opts.kd_weight * tau * tau) * kd
+        if ce is not None and opts.ce_weight != 0:
+            row_loss = row_loss + opts.ce_weight * ce
+        totals[0] += (rho * row_loss).sum()
+        totals[1] += (m_c * kd).sum()
+        if ce is not None:
+            totals[2] += (m_c * ce).sum()
+        totals[3] += (m_c * teacher.mass).sum()
+
+        if need_grad:
+            ce_scale = opts.ce_weight * rho if (has_labels and opts.ce_weight != 0) else None
+            grad_block = chunk_math.logit_grad_(
+                block, z_s, teacher, rs, (opts.kd_weight * tau) * rho, ce_scale,
+                label_idx, label_owned, tau, opts.tail,
+            )
+            g = grad_block.to(weight.dtype) if mixed else grad_block
+            if need_grad_hidden:
+                if mixed:
+                    torch.mm(g, weight, out=grad_h2d[start:end])
+                else:
+                    grad_h2d[start:end] = g @ w_gemm
+            if need_grad_weight:
+                if mixed:
+                    _addmm_fp32_(grad_w_acc, g.t(), h_c)
+                else:
+                    grad_w_acc.addmm_(g.t(), h_c_gemm)
+            del g, grad_block
+        del block
+
+    stats = totals.new_empty(4)
+    stats[:3] = totals[1:] * inv_tokens if inv_tokens is not None else totals[1:]
+    stats[3] = tokens
+
+    grad_hidden = None
+    if need_grad_hidden:
+        grad_full = grad_h2d.view(full_hidden.shape)
+        if opts.sequence_parallel:
+            grad_hidden = reduce_scatter_first_dim(grad_full, group)
+        else:
+            grad_hidden = all_reduce_sum_(grad_full, group)
+    grad_weight = None
+    if need_grad_weight and not fuse_main_grad:
+        grad_weight = grad_w_acc if grad_w_acc.dtype == weight.dtype else grad_w_acc.to(weight.dtype)
+    return totals[0], stats, grad_hidden, grad_weight
+
+
+_dummy_wgrads: dict[tuple, torch.Tensor] = {}
+
+
+def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
+    """Stand-in weight gradient once the real one went into main_grad (as Megatron's linear
+    layers do), so DDP's backward hook fires on the main thread and skips the add."""
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _dummy_wgrads:
+        _dummy_wgrads[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    return _dummy_wgrads[key]
+
+
+class FusedTopKKLFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts: TopKKLOptions):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss, stats, grad_hidden, grad_weight = topk_kl_forward(
+            hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts, need_h, need_w
+        )
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.fused_weight = weight if (need_w and opts.gradient_accumulation_fusion) else None
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_stats):
+        if ctx.grads is None:
+            raise RuntimeError("fused_topk_kl: backward ran twice; its gradients are consumed by the first")
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None
+        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
+            if ctx.fused_weight is not None:
+                raise RuntimeError(
+                    "fused_topk_kl(gradient_accumulation_fusion=True) added the weight gradient to "
+                    f"main_grad in forward, so the loss must be backpropagated with gradient 1, got "
+                    f"{grad_loss.item()}: train in bf16 with per-token loss (no loss scaling)"
+                )
+            for g in (grad_hidden, grad_weight):
+                if g is not None:
+                    g.mul_(grad_loss.to(g.dtype))
+        if ctx.fused_weight is not None:
+            weight = ctx.fused_weight
+            if hasattr(weight, "grad_added_to_main_grad"):
+                weight.grad_added_to_main_grad = True
+                grad_weight = _dummy_wgrad(weight)
+        return grad_hidden, grad_weight, None, None, None, None, None

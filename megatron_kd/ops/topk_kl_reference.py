@@ -1,0 +1,102 @@
+"""``topk_kl_reference``: the ground truth for ``fused_topk_kl``, and the dense baseline.
+
+Materializes the full [tokens, V] logits, writes every tail straight from the formulas of
+DESIGN.md §1 and lets autograd differentiate them, so it shares no gradient algebra with the fused
+op. Computes in float32 for bf16/fp16/fp32 inputs and in float64 for float64 inputs. Under tensor
+parallelism the logits are gathered with Megatron-Core's own autograd mappings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_kd.ops.comm import group_size
+from megatron_kd.ops.topk_kl import TopKKLOptions, check_inputs, unpack_stats
+
+
+def _full_vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, opts: TopKKLOptions) -> torch.Tensor:
+    group = opts.tp_group
+    if group_size(group) == 1:
+        return hidden @ weight.t()
+    from megatron.core.tensor_parallel import mappings
+
+    if opts.sequence_parallel:
+        hidden = mappings.gather_from_sequence_parallel_region(hidden, group=group)
+    else:
+        hidden = mappings.copy_to_tensor_model_parallel_region(hidden, group=group)
+    return mappings.gather_from_tensor_model_parallel_region(hidden @ weight.t(), group=group)
+
+
+def topk_kl_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    kd_weight: float = 1.0,
+    ce_weight: float = 0.0,
+    temperature: float = 1.0,
+    tail: str = "none",
+    tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
+    chunk_size: int | None = None,
+    reduction: str = "sum",
+    impl: str = "auto",
+    gradient_accumulation_fusion: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Same signature and results as ``fused_topk_kl``; ``chunk_size``, ``impl`` and
+    ``gradient_accumulation_fusion`` are accepted for drop-in use and ignored (all at once)."""
+    opts = TopKKLOptions(
+        kd_weight=kd_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
+        reduction=reduction, tp_group=tp_group, sequence_parallel=sequence_parallel,
+    )
+    vocab = check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    tau = float(temperature)
+
+    logits = _full_vocab_logits(hidden, weight, opts).to(dtype).reshape(-1, vocab)
+    ids = topk_ids.reshape(logits.shape[0], -1).long()
+    lp = topk_logprobs.reshape(logits.shape[0], -1).to(dtype)
+    mask = (
+        loss_mask.reshape(-1).to(dtype) if loss_mask is not None else logits.new_ones(logits.shape[0])
+    )
+
+    # Teacher on S (valid entries), tempered inside S with its mass kept.
+    valid = (ids >= 0) & torch.isfinite(lp)
+    lp = torch.where(valid, lp, float("-inf"))
+    mass = torch.where(valid, lp.exp(), 0.0).sum(-1)
+    if tau != 1.0:
+        lp = lp / tau - torch.logsumexp(lp / tau, -1, keepdim=True) + mass.log().unsqueeze(-1)
+    p = torch.where(valid, lp.exp(), 0.0)
+    log_p = torch.where(valid, lp, 0.0)
+
+    log_q = torch.log_softmax(logits / tau, dim=-1)
+    log_q_s = torch.where(valid, log_q.gather(1, torch.where(valid, ids, 0)), 0.0)
+
+    if tail == "none":
+        kd = (p * (log_p - log_q_s)).sum(-1)
+    elif tail == "renorm":
+        p_hat = p / mass.clamp_min(torch.finfo(dtype).tiny).unsqueeze(-1)
+        log_p_hat = torch.where(valid, log_p - mass.clamp_min(torch.finfo(dtype).tiny).log().unsqueeze(-1), 0.0)
+        kd = (p_hat * (log_p_hat - log_q_s)).sum(-1)
+    else:  # ghost: KL over the K entries plus one "everything else" outcome
+        q_s = torch.where(valid, log_q_s.exp(), 0.0).sum(-1)
+        tail_p = (1.0 - mass).clamp_min(0.0)
+        tail_q = (1.0 - q_s).clamp_min(torch.finfo(dtype).tiny)
+        kd = (p * (log_p - log_q_s)).sum(-1) + torch.xlogy(tail_p, tail_p) - tail_p * tail_q.log()
+
+    total = kd_weight * tau * tau * (mask * kd).sum()
+    stats = [(mask * kd).sum(), logits.new_zeros(()), (mask * mass).sum()]
+    if labels is not None:
+        ce = -torch.log_softmax(logits, dim=-1).gather(1, labels.reshape(-1, 1).long()).squeeze(1)
+        total = total + ce_weight * (mask * ce).sum()
+        stats[1] = (mask * ce).sum()
+    tokens = mask.sum()
+    if reduction == "mean":
+        inv = torch.where(tokens > 0, 1.0 / tokens.clamp_min(1e-30), 0.0)
+        total = total * inv
+        stats = [s * inv for s in stats]
+    return total, unpack_stats(torch.stack([*stats, tokens]), has_labels=labels is not None)

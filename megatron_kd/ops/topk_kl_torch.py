@@ -1,0 +1,228 @@
+"""Per-chunk math of the fused top-K KL loss in plain torch (the CPU path, and the GPU reference path).
+
+One chunk of c tokens goes through three steps; the chunk loop (``topk_kl_function.py``) runs the
+GEMMs and the tensor-parallel all-gather between them:
+
+1. ``teacher_terms``      [c, K] cached entries -> tempered targets, masses, constants.
+2. ``local_row_stats_``   logits block [c, V_local] -> this rank's row statistics [c, 6];
+                          the block is overwritten by e = exp((z - m_r) / τ) (no second block).
+3. ``combine_row_stats``  [tp, c, 6] from all ranks -> global logsumexp, sparse sums, softmax
+                          scale factors; ``row_losses`` -> per-token KD / CE values;
+   ``logit_grad_``        e -> dLoss/dz in place, ready for grad_h = G·W and grad_W += Gᵀ·h.
+
+Notation (DESIGN.md §1): u = z/τ, q = softmax(u) over the full vocabulary, S the valid cached
+entries, p the (tempered) teacher probabilities on S with mass M, Q = Σ_S q.
+Every tail's loss is  L = C - Σ_S B_v u_v + A·lse(u)  (+ the ghost term), with
+    none:   B = p,     A = M,                   C = Σ p log p
+    renorm: B = p/M,   A = 1 (0 if S is empty), C = Σ (p/M) log(p/M)
+    ghost:  B = p,     A = M,                   C = Σ p log p + (1-M) log(1-M),  - (1-M) log(1-Q)
+and dL/du_v = A' q_v - B_v [v∈S] (+ q_v (1-A') [v∈S] for ghost), A' = A, or (M-Q)/(1-Q) for ghost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Statistics exchanged across tensor-parallel ranks, one row per token.
+ROW_MAX, ROW_SUMEXP_T, ROW_SUMEXP_1, ROW_TARGET_DOT, ROW_TEACHER_SUMEXP, ROW_LABEL_LOGIT = range(6)
+NUM_ROW_STATS = 6
+
+
+@dataclass
+class ChunkTeacher:
+    """Teacher side of one chunk; everything here is independent of the student."""
+
+    local_idx: torch.Tensor  # [c, K] int64 column in this rank's shard (0 where not owned)
+    owned: torch.Tensor  # [c, K] 1.0 where the entry is valid and its id lives on this rank
+    target_owned: torch.Tensor  # [c, K] B_v on owned entries, else 0
+    const: torch.Tensor  # [c] C
+    lse_coef: torch.Tensor  # [c] A
+    mass: torch.Tensor  # [c] M (top-K mass of the tempered teacher, = cached mass)
+
+
+def teacher_terms(
+    ids: torch.Tensor,
+    logprobs: torch.Tensor,
+    *,
+    tail: str,
+    temperature: float,
+    vocab_start: int,
+    vocab_local: int,
+    dtype: torch.dtype,
+) -> ChunkTeacher:
+    neg_inf = float("-inf")
+    lp = logprobs.to(dtype)
+    valid = (ids >= 0) & (lp > neg_inf)
+    lp = lp.masked_fill(~valid, neg_inf)
+    if temperature != 1.0:
+        # Temper the shape inside S, keep its mass: lp/τ - lse_S(lp/τ) + log M.
+        log_mass = torch.logsumexp(lp, dim=-1, keepdim=True)
+        lp_t = lp / temperature
+        lp = (lp_t - torch.logsumexp(lp_t, dim=-1, keepdim=True) + log_mass).masked_fill(~valid, neg_inf)
+    p = lp.exp()  # 0 on padding
+    mass = p.sum(-1)
+    p_log_p = torch.where(valid, p * lp, 0.0).sum(-1)
+
+    if tail == "renorm":
+        nonempty = mass > 0
+        inv_mass = torch.where(nonempty, 1.0 / mass.clamp_min(torch.finfo(dtype).tiny), 0.0)
+        target = p * inv_mass.unsqueeze(-1)
+        # Σ (p/M) log(p/M) = (Σ p log p)/M - log M
+        const = torch.where(nonempty, p_log_p * inv_mass - mass.clamp_min(torch.finfo(dtype).tiny).log(), 0.0)
+        lse_coef = nonempty.to(dtype)
+    else:
+        target = p
+        const = p_log_p
+        lse_coef = mass
+        if tail == "ghost":
+            tail_mass = (1.0 - mass).clamp_min(0.0)  # cached masses may round a hair above 1
+            const = const + torch.xlogy(tail_mass, tail_mass)
+
+    local = ids.long() - vocab_start
+    owned = valid & (local >= 0) & (local < vocab_local)
+    owned_f = owned.to(dtype)
+    return ChunkTeacher(
+        local_idx=torch.where(owned, local, 0),
+        owned=owned_f,
+        target_owned=target * owned_f,
+        const=const,
+        lse_coef=lse_coef,
+        mass=mass,
+    )
+
+
+def local_labels(labels: torch.Tensor, *, vocab_start: int, vocab_local: int, dtype: torch.dtype):
+    """Global label ids -> (column in this shard or 0, 1.0 where this rank owns the label)."""
+    local = labels.long() - vocab_start
+    owned = (local >= 0) & (local < vocab_local)
+    return torch.where(owned, local, 0), owned.to(dtype)
+
+
+def local_row_stats_(
+    logits: torch.Tensor,
+    teacher: ChunkTeacher,
+    label_idx: torch.Tensor | None,
+    label_owned: torch.Tensor | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row statistics of this rank's logits block; overwrites ``logits`` with exp((z - m_r)/τ).
+
+    Returns (stats [c, NUM_ROW_STATS], z_S [c, K] raw logits at the owned teacher entries).
+    """
+    row_max = logits.amax(dim=-1)
+    z_s = logits.gather(1, teacher.local_idx)
+    stats = logits.new_zeros(logits.shape[0], NUM_ROW_STATS)
+    stats[:, ROW_MAX] = row_max
+    if label_idx is not None:
+        stats[:, ROW_LABEL_LOGIT] = logits.gather(1, label_idx.unsqueeze(1)).squeeze(1) * label_owned
+
+    e = logits.sub_(row_max.unsqueeze(1))
+    if temperature != 1.0:
+        e.mul_(1.0 / temperature)
+    e.exp_()
+    stats[:, ROW_SUMEXP_T] = e.sum(-1)
+    if label_idx is not None:
+        # exp(z - m) = e^τ; the τ = 1 sum is the one above.
+        stats[:, ROW_SUMEXP_1] = e.pow(temperature).sum(-1) if temperature != 1.0 else stats[:, ROW_SUMEXP_T]
+    stats[:, ROW_TARGET_DOT] = (teacher.target_owned * z_s).sum(-1)
+    stats[:, ROW_TEACHER_SUMEXP] = (teacher.owned * ((z_s - row_max.unsqueeze(1)) / temperature).exp()).sum(-1)
+    return stats, z_s
+
+
+@dataclass
+class RowStats:
+    """Global (all-rank) per-token quantities of one chunk."""
+
+    row_max: torch.Tensor  # [c] m = max_v z_v
+    sumexp_t: torch.Tensor  # [c] Σ_v exp((z_v - m)/τ)
+    lse_t: torch.Tensor  # [c] logsumexp(z/τ)
+    lse_1: torch.Tensor | None  # [c] logsumexp(z), when labels are given
+    target_dot: torch.Tensor  # [c] Σ_S B_v z_v
+    student_mass: torch.Tensor  # [c] Q = Σ_S q_v
+    label_logit: torch.Tensor | None  # [c] z_label
+    scale_t: torch.Tensor  # [c] e·scale_t = q (softmax(z/τ)) for this rank's block
+    scale_1: torch.Tensor | None  # [c] e^τ·scale_1 = softmax(z)
+
+
+def combine_row_stats(all_stats: torch.Tensor, rank: int, temperature: float, has_labels: bool) -> RowStats:
+    """[tp, c, NUM_ROW_STATS] from every rank -> global row quantities (each rank's max rescaled)."""
+    rank_max = all_stats[..., ROW_MAX]
+    row_max = rank_max.amax(0)
+    w_t = ((rank_max - row_max) / temperature).exp()
+    sumexp_t = (all_stats[..., ROW_SUMEXP_T] * w_t).sum(0)
+    lse_t = row_max / temperature + sumexp_t.log()
+    out = RowStats(
+        row_max=row_max,
+        sumexp_t=sumexp_t,
+        lse_t=lse_t,
+        lse_1=None,
+        target_dot=all_stats[..., ROW_TARGET_DOT].sum(0),
+        student_mass=(all_stats[..., ROW_TEACHER_SUMEXP] * w_t).sum(0) / sumexp_t,
+        label_logit=None,
+        scale_t=w_t[rank] / sumexp_t,
+        scale_1=None,
+    )
+    if has_labels:
+        w_1 = (rank_max - row_max).exp()
+        sumexp_1 = (all_stats[..., ROW_SUMEXP_1] * w_1).sum(0)
+        out.lse_1 = row_max + sumexp_1.log()
+        out.label_logit = all_stats[..., ROW_LABEL_LOGIT].sum(0)
+        out.scale_1 = w_1[rank] / sumexp_1
+    return out
+
+
+def _ghost_one_minus_q(rs: RowStats) -> torch.Tensor:
+    # 1 - Q underflows when the student puts (almost) all its mass on S; keep it positive.
+    return (1.0 - rs.student_mass).clamp_min(torch.finfo(rs.student_mass.dtype).tiny)
+
+
+def row_losses(teacher: ChunkTeacher, rs: RowStats, temperature: float, tail: str):
+    """Per-token KD term L (before kd_weight·τ²) and CE term (None without labels)."""
+    kd = teacher.const + teacher.lse_coef * rs.lse_t - rs.target_dot / temperature
+    if tail == "ghost":
+        kd = kd - (1.0 - teacher.mass).clamp_min(0.0) * _ghost_one_minus_q(rs).log()
+    ce = rs.lse_1 - rs.label_logit if rs.lse_1 is not None else None
+    return kd, ce
+
+
+def logit_grad_(
+    e: torch.Tensor,
+    z_s: torch.Tensor,
+    teacher: ChunkTeacher,
+    rs: RowStats,
+    kd_row_scale: torch.Tensor,
+    ce_row_scale: torch.Tensor | None,
+    label_idx: torch.Tensor | None,
+    label_owned: torch.Tensor | None,
+    temperature: float,
+    tail: str,
+) -> torch.Tensor:
+    """Overwrite e = exp((z - m_r)/τ) with dLoss/dz for this rank's block and return it.
+
+    kd_row_scale = kd_weight·τ·ρ (τ²·L differentiated through u = z/τ), ce_row_scale = ce_weight·ρ,
+    ρ = loss_mask (/ Σ loss_mask for "mean"). None for ce_row_scale drops the CE gradient.
+    """
+    if tail == "ghost":
+        dense_coef = (teacher.mass - rs.student_mass) / _ghost_one_minus_q(rs)
+    else:
+        dense_coef = teacher.lse_coef
+    alpha = kd_row_scale * dense_coef * rs.scale_t
+    if ce_row_scale is None:
+        e.mul_(alpha.unsqueeze(1))
+    elif temperature == 1.0:
+        e.mul_((alpha + ce_row_scale * rs.scale_1).unsqueeze(1))
+    else:
+        softmax_1 = e.pow(temperature).mul_((ce_row_scale * rs.scale_1).unsqueeze(1))
+        e.mul_(alpha.unsqueeze(1)).add_(softmax_1)
+        del softmax_1
+
+    sparse = -kd_row_scale.unsqueeze(1) * teacher.target_owned
+    if tail == "ghost":
+        q_s = ((z_s - rs.row_max.unsqueeze(1)) / temperature).exp() / rs.sumexp_t.unsqueeze(1)
+        sparse = sparse + (kd_row_scale * (1.0 - dense_coef)).unsqueeze(1) * q_s * teacher.owned
+    e.scatter_add_(1, teacher.local_idx, sparse)
+    if ce_row_scale is not None:
+        e.scatter_add_(1, label_idx.unsqueeze(1), -(ce_row_scale * label_owned).unsqueeze(1))
+    return e

@@ -1,0 +1,36 @@
+"""megatron_kd: offline top-K knowledge distillation for Megatron-Core."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+version = {}
+exec((ROOT / "megatron_kd" / "version.py").read_text(), version)
+
+setup(
+    name="megatron_kd",
+    version=version["__version__"],
+    description=(
+        "Offline knowledge distillation for Megatron-Core: a Zarr cache of teacher top-K "
+        "log-probabilities and a fused, chunked, vocab-parallel KL loss."
+    ),
+    long_description=(ROOT / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.12",
+    packages=find_packages(include=["megatron_kd", "megatron_kd.*"]),
+    install_requires=[
+        "torch==2.11.0",
+        "megatron-core>=0.19,<0.20",
+        "zarr>=3",
+        "numcodecs",
+        "numpy",
+        "tqdm",
+        "tensorboard",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff"],
+    },
+    entry_points={"console_scripts": ["megatron-kd=megatron_kd.cli:main"]},
+)
