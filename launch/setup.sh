@@ -6,7 +6,8 @@
 #   bash launch/setup.sh            # then: .venv/bin/megatron-kd --help
 #
 # Python: megatron-core >= 0.17 needs Python >= 3.12. The first interpreter found wins:
-# $MEGATRON_KD_PYTHON, python3.13, python3.12, pyenv's 3.13.x / 3.12.x, python3.
+# $MEGATRON_KD_PYTHON, python3.12, pyenv's 3.12.x, python3.13, pyenv's 3.13+, python3 (3.12 first:
+# it is what the GPU machines and the NGC PyTorch containers run).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=.venv
@@ -17,11 +18,12 @@ python_ok() {  # python_ok CMD: true when CMD runs and is a Python >= 3.12
 }
 
 find_python() {
-  local candidates=("${MEGATRON_KD_PYTHON:-}" python3.13 python3.12)
-  if command -v pyenv >/dev/null 2>&1; then
-    local root; root=$(pyenv root)
-    candidates+=($(ls -d "$root"/versions/3.1[3-9]*/bin/python3 "$root"/versions/3.12*/bin/python3 2>/dev/null | sort -rV))
-  fi
+  local root="" candidates
+  command -v pyenv >/dev/null 2>&1 && root=$(pyenv root)
+  candidates=("${MEGATRON_KD_PYTHON:-}" python3.12)
+  [ -n "$root" ] && candidates+=($(ls -d "$root"/versions/3.12*/bin/python3 2>/dev/null | sort -rV))
+  candidates+=(python3.13)
+  [ -n "$root" ] && candidates+=($(ls -d "$root"/versions/3.1[3-9]*/bin/python3 2>/dev/null | sort -rV))
   candidates+=(python3)
   for c in "${candidates[@]}"; do
     [ -n "$c" ] || continue

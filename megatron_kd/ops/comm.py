@@ -24,9 +24,10 @@ def all_gather_stack(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.
     world = group_size(group)
     if world == 1:
         return x.unsqueeze(0)
-    out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
+    # Gathered along dim 0 ([world·s0, ...], the layout every backend accepts), then split.
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
+    return out.view(world, *x.shape)
 
 
 def gather_first_dim(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

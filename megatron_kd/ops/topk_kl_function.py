@@ -223,17 +223,16 @@ class FusedTopKKLFunction(torch.autograd.Function):
         loss, stats, grad_hidden, grad_weight = topk_kl_forward(
             hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts, need_h, need_w
         )
-        ctx.grads = (grad_hidden, grad_weight)
+        # Saved (not ctx attributes) so autograd frees them right after backward and AccumulateGrad
+        # can adopt grad_weight as .grad without a copy.
+        ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.fused_weight = weight if (need_w and opts.gradient_accumulation_fusion) else None
         ctx.mark_non_differentiable(stats)
         return loss, stats
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):
-        if ctx.grads is None:
-            raise RuntimeError("fused_topk_kl: backward ran twice; its gradients are consumed by the first")
-        grad_hidden, grad_weight = ctx.grads
-        ctx.grads = None
+        grad_hidden, grad_weight = ctx.saved_tensors
         if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
             if ctx.fused_weight is not None:
                 raise RuntimeError(
@@ -241,9 +240,8 @@ class FusedTopKKLFunction(torch.autograd.Function):
                     f"main_grad in forward, so the loss must be backpropagated with gradient 1, got "
                     f"{grad_loss.item()}: train in bf16 with per-token loss (no loss scaling)"
                 )
-            for g in (grad_hidden, grad_weight):
-                if g is not None:
-                    g.mul_(grad_loss.to(g.dtype))
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
+            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
         if ctx.fused_weight is not None:
             weight = ctx.fused_weight
             if hasattr(weight, "grad_added_to_main_grad"):

@@ -51,7 +51,7 @@ def topk_kl_reference(
     ``gradient_accumulation_fusion`` are accepted for drop-in use and ignored (all at once)."""
     opts = TopKKLOptions(
         kd_weight=kd_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
-        reduction=reduction, tp_group=tp_group, sequence_parallel=sequence_parallel,
+        reduction=reduction, tp_group=tp_group, sequence_parallel=sequence_parallel, chunk_size=chunk_size,
     )
     vocab = check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32

@@ -1,0 +1,92 @@
+"""Multi-process helpers for CPU tests: gloo process groups and megatron-core on CPU.
+
+megatron-core assumes CUDA in two places that the tests reach; ``megatron_cpu_patches`` redirects
+them to the CPU for the duration of a test (never in the library):
+  1. ``tensor_parallel.random.get_cuda_rng_tracker().fork()`` -> a no-op context;
+  2. ``torch.cuda.current_device()`` and megatron's global memory buffer -> CPU tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, fn, world_size, port, backend, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=180))
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, *args, world_size: int = 2, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; fail if any fails.
+
+    ``backend`` "gloo" (CPU) or "nccl" (rank r on cuda:r). ``fn`` must be a module-level function
+    (it is pickled into the spawned processes).
+    """
+    mp.start_processes(
+        _entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True,
+        start_method="spawn",
+    )
+
+
+class _CpuMemoryBuffer:
+    def __init__(self):
+        self.buffer = {}
+
+    def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
+        key = (name, dtype)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if key not in self.buffer or self.buffer[key].numel() < numel:
+            self.buffer[key] = torch.empty(numel, dtype=dtype)
+        return self.buffer[key][:numel].view(*shape)
+
+
+@contextlib.contextmanager
+def megatron_cpu_patches():
+    """Let megatron-core modules run on CPU tensors (see module docstring)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    tracker = mcore_random.get_cuda_rng_tracker()
+    saved = (torch.cuda.current_device, type(tracker).fork, parallel_state.get_global_memory_buffer)
+    buffer = _CpuMemoryBuffer()
+    torch.cuda.current_device = lambda: "cpu"
+    type(tracker).fork = lambda self, name=None: contextlib.nullcontext()
+    parallel_state.get_global_memory_buffer = lambda: buffer
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, type(tracker).fork, parallel_state.get_global_memory_buffer = saved
+
+
+def init_tensor_parallel(tp_size: int):
+    """megatron-core's own process groups over the running gloo world; returns the TP group."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    return parallel_state.get_tensor_model_parallel_group()

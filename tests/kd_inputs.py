@@ -1,0 +1,64 @@
+"""Random inputs for the loss tests: teacher-like top-K caches, not uniform noise.
+
+Teacher log-probs are the top-K of a log-softmax over heavy-tailed (Student-t) logits, so the K
+entries carry most but not all of the mass, as a real LM's do. Some entries are padding (id -1 or
+logprob -inf) and one row is fully padded, as at the end of a document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossInputs:
+    hidden: torch.Tensor  # [s, b, h]
+    weight: torch.Tensor  # [V, h] (full vocabulary)
+    topk_ids: torch.Tensor  # [s, b, K] int64
+    topk_logprobs: torch.Tensor  # [s, b, K] float32
+    loss_mask: torch.Tensor  # [s, b] float
+    labels: torch.Tensor  # [s, b] int64
+
+    def to(self, device) -> "LossInputs":
+        return LossInputs(**{k: v.to(device) for k, v in vars(self).items()})
+
+
+def teacher_topk(num_tokens: int, vocab: int, k: int, *, generator=None, scale: float = 3.0):
+    """(ids [n, K] int64, logprobs [n, K] float32) from a heavy-tailed teacher distribution."""
+    t = torch.distributions.StudentT(torch.tensor(3.0))
+    logits = t.sample((num_tokens, vocab)) * scale
+    logprobs, ids = torch.log_softmax(logits.double(), -1).topk(k, dim=-1)
+    return ids, logprobs.float()
+
+
+def make_inputs(s=23, b=2, h=16, vocab=102, k=7, *, dtype=torch.float64, pad=True) -> LossInputs:
+    hidden = torch.randn(s, b, h, dtype=torch.float64)
+    weight = torch.randn(vocab, h, dtype=torch.float64) / h**0.5 * 2
+    ids, lps = teacher_topk(s * b, vocab, k)
+    ids, lps = ids.view(s, b, k).clone(), lps.view(s, b, k).clone()
+    if pad:
+        ids[1, 0, k // 2:] = -1  # padding by id
+        lps[2, b - 1, 1:] = float("-inf")  # padding by logprob
+        ids[3, 0, :] = -1  # a fully padded token
+        lps[3, 0, :] = float("-inf")
+    mask = (torch.rand(s, b) > 0.25).double()
+    labels = torch.randint(0, vocab, (s, b))
+    return LossInputs(hidden.to(dtype), weight.to(dtype), ids, lps, mask, labels)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a - b‖ / ‖b‖ in float64 (absolute when b is zero)."""
+    a, b = a.double(), b.double()
+    denom = b.norm()
+    return float((a - b).norm() / denom) if denom > 0 else float((a - b).norm())
+
+
+def loss_and_grads(fn, x: LossInputs, *, weight=None, hidden=None, grad_scale: float = 1.0, **kw):
+    """Run ``fn`` (fused_topk_kl or topk_kl_reference); return (loss, stats, grad_hidden, grad_weight)."""
+    hidden = (x.hidden if hidden is None else hidden).detach().clone().requires_grad_()
+    weight = (x.weight if weight is None else weight).detach().clone().requires_grad_()
+    loss, stats = fn(hidden, weight, x.topk_ids, x.topk_logprobs, **kw)
+    (loss * grad_scale).backward()
+    return loss.detach(), stats, hidden.grad, weight.grad

@@ -1,0 +1,203 @@
+"""fused_topk_kl against topk_kl_reference on one process (CPU; CUDA tests live in test_topk_kl_cuda.py).
+
+1. every tail x temperature x ce_weight x mask x reduction, float64 (<= 1e-9) and float32 (<= 1e-4)
+2. bf16 inputs against the float64 reference (<= 1e-2)
+3. chunking does not change the result; the automatic chunk size respects its budget
+4. all-masked input: loss 0, zero gradients, finite stats
+5. gradcheck on a tiny float64 case
+6. backward scales the precomputed gradients; no-grad mode computes none
+7. gradient accumulation into Megatron's main_grad
+8. every bad input raises one ValueError naming the argument
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from kd_inputs import loss_and_grads, make_inputs, rel_err
+from megatron_kd.ops import TAILS, fused_topk_kl, topk_kl_reference
+from megatron_kd.ops.topk_kl_function import auto_chunk_size
+
+CASES = list(itertools.product(TAILS, [1.0, 2.0], [0.0, 0.5], [False, True], ["sum", "mean"]))
+
+
+def _check(fused, ref, tol):
+    (l1, s1, gh1, gw1), (l2, s2, gh2, gw2) = fused, ref
+    assert torch.isfinite(l1) and torch.isfinite(gh1).all() and torch.isfinite(gw1).all()
+    assert rel_err(l1, l2) <= tol, (l1.item(), l2.item())
+    assert rel_err(gh1, gh2) <= tol
+    assert rel_err(gw1, gw2) <= tol
+    assert s1.keys() == s2.keys()
+    for key in s1:
+        assert rel_err(s1[key], s2[key]) <= tol, key
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("tail, temperature, ce_weight, masked, reduction", CASES)
+def test_matches_reference(seed, dtype, tol, tail, temperature, ce_weight, masked, reduction):
+    x = make_inputs(s=29, b=2, h=24, vocab=131, k=9)
+    kw = dict(
+        loss_mask=x.loss_mask if masked else None, labels=x.labels, ce_weight=ce_weight,
+        temperature=temperature, tail=tail, reduction=reduction, kd_weight=0.7,
+    )
+    ref = loss_and_grads(topk_kl_reference, x, grad_scale=1.3, **kw)  # float64 ground truth
+    fused = loss_and_grads(
+        fused_topk_kl, x, hidden=x.hidden.to(dtype), weight=x.weight.to(dtype), grad_scale=1.3,
+        chunk_size=13, **kw,
+    )
+    assert fused[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    _check(fused, ref, tol)
+
+
+@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize("temperature, ce_weight", [(1.0, 0.0), (2.0, 0.5)])
+def test_bf16_matches_float64_reference(seed, tail, temperature, ce_weight):
+    x = make_inputs(s=40, b=2, h=64, vocab=257, k=16)
+    h16, w16 = x.hidden.bfloat16(), x.weight.bfloat16()
+    kw = dict(loss_mask=x.loss_mask, labels=x.labels, ce_weight=ce_weight, temperature=temperature, tail=tail)
+    ref = loss_and_grads(topk_kl_reference, x, hidden=h16.double(), weight=w16.double(), **kw)
+    fused = loss_and_grads(fused_topk_kl, x, hidden=h16, weight=w16, **kw)
+    assert fused[2].dtype == torch.bfloat16 and fused[3].dtype == torch.bfloat16
+    _check(fused, ref, 1e-2)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, None])
+def test_chunking_does_not_change_result(seed, chunk_size):
+    x = make_inputs(s=31, b=2, vocab=97)
+    kw = dict(loss_mask=x.loss_mask, labels=x.labels, ce_weight=0.3, temperature=1.5, tail="ghost")
+    whole = loss_and_grads(fused_topk_kl, x, chunk_size=10_000, **kw)
+    _check(loss_and_grads(fused_topk_kl, x, chunk_size=chunk_size, **kw), whole, 1e-12)
+
+
+def test_auto_chunk_size_respects_budget():
+    cpu = torch.device("cpu")
+    for vocab, tokens in [(201_088, 32_768), (65_536, 8192), (1000, 10), (50, 100_000)]:
+        c = auto_chunk_size(tokens, vocab, device=cpu, block_dtype=torch.float32,
+                            gemm_dtype=torch.float32, extra_block=False)
+        assert 1 <= c <= tokens
+        assert c == 1 or c * vocab * 4 <= 32 * 2**20
+    # one extra block halves the chunk
+    a = auto_chunk_size(10**6, 4096, device=cpu, block_dtype=torch.float32, gemm_dtype=torch.float32, extra_block=False)
+    b = auto_chunk_size(10**6, 4096, device=cpu, block_dtype=torch.float32, gemm_dtype=torch.float32, extra_block=True)
+    assert b <= a // 2 + 64
+
+
+@pytest.mark.parametrize("tail", TAILS)
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_all_masked_gives_zero(seed, tail, reduction):
+    x = make_inputs()
+    for fn in (fused_topk_kl, topk_kl_reference):
+        loss, stats, gh, gw = loss_and_grads(
+            fn, x, loss_mask=torch.zeros_like(x.loss_mask), labels=x.labels, ce_weight=0.5,
+            temperature=2.0, tail=tail, reduction=reduction,
+        )
+        assert loss.item() == 0.0
+        assert torch.count_nonzero(gh) == 0 and torch.count_nonzero(gw) == 0
+        assert all(torch.isfinite(v) for v in stats.values())
+        assert stats["tokens"].item() == 0
+
+
+@pytest.mark.parametrize("tail", TAILS)
+def test_gradcheck(seed, tail):
+    x = make_inputs(s=5, b=1, h=4, vocab=11, k=3)
+    h = x.hidden.clone().requires_grad_()
+    w = x.weight.clone().requires_grad_()
+
+    def f(h, w):
+        return fused_topk_kl(h, w, x.topk_ids, x.topk_logprobs, loss_mask=x.loss_mask, labels=x.labels,
+                             ce_weight=0.5, temperature=2.0, tail=tail, chunk_size=2)[0]
+
+    assert torch.autograd.gradcheck(f, (h, w), eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+def test_backward_scales_and_no_grad_mode(seed):
+    x = make_inputs()
+    _, _, gh1, gw1 = loss_and_grads(fused_topk_kl, x, tail="renorm")
+    _, _, gh3, gw3 = loss_and_grads(fused_topk_kl, x, tail="renorm", grad_scale=-3.0)
+    assert rel_err(gh3, -3 * gh1) < 1e-12 and rel_err(gw3, -3 * gw1) < 1e-12
+    with torch.no_grad():
+        loss, _ = fused_topk_kl(x.hidden, x.weight, x.topk_ids, x.topk_logprobs, tail="renorm")
+    assert not loss.requires_grad
+    ref, _ = topk_kl_reference(x.hidden, x.weight, x.topk_ids, x.topk_logprobs, tail="renorm")
+    assert rel_err(loss, ref) < 1e-12
+
+
+def test_stats_meaning(seed):
+    x = make_inputs()
+    _, stats = fused_topk_kl(x.hidden, x.weight, x.topk_ids, x.topk_logprobs, loss_mask=x.loss_mask,
+                             reduction="mean")
+    assert "ce" not in stats  # no labels, no CE
+    mass = torch.where(x.topk_ids >= 0, x.topk_logprobs.double().exp(), 0.0).sum(-1)
+    assert stats["tokens"].item() == x.loss_mask.sum().item()
+    assert rel_err(stats["teacher_mass"], (mass * x.loss_mask).sum() / x.loss_mask.sum()) < 1e-12
+
+
+def test_gradient_accumulation_fusion_into_main_grad(seed):
+    x = make_inputs()
+    _, _, gh_ref, gw_ref = loss_and_grads(topk_kl_reference, x, tail="ghost")
+    hidden = x.hidden.clone().requires_grad_()
+    weight = torch.nn.Parameter(x.weight.clone())
+    before = torch.randn_like(weight)
+    weight.main_grad = before.clone()
+    weight.grad_added_to_main_grad = False
+    loss, _ = fused_topk_kl(hidden, weight, x.topk_ids, x.topk_logprobs, tail="ghost",
+                            gradient_accumulation_fusion=True)
+    assert rel_err(weight.main_grad - before, gw_ref) < 1e-12  # added during forward
+    loss.backward()
+    assert weight.grad_added_to_main_grad
+    assert rel_err(hidden.grad, gh_ref) < 1e-12
+    assert rel_err(weight.main_grad - before, gw_ref) < 1e-12  # and not again in backward
+
+    weight.main_grad.zero_()
+    loss, _ = fused_topk_kl(hidden, weight, x.topk_ids, x.topk_logprobs, gradient_accumulation_fusion=True)
+    with pytest.raises(RuntimeError, match="gradient 1"):
+        (2 * loss).backward()
+
+
+def _bad_inputs():
+    x = make_inputs(vocab=50, k=5)
+    ok = dict(hidden=x.hidden, weight=x.weight, topk_ids=x.topk_ids, topk_logprobs=x.topk_logprobs)
+    ids_big = x.topk_ids.clone()
+    ids_big[0, 0, 0] = 50
+    ids_neg = x.topk_ids.clone()
+    ids_neg[0, 0, 0] = -2
+    lp_nan = x.topk_logprobs.clone()
+    lp_nan[1, 1, 1] = float("nan")
+    lp_inf = x.topk_logprobs.clone()
+    lp_inf[1, 1, 1] = float("inf")
+    labels_big = x.labels.clone()
+    labels_big[0, 0] = 50
+    return [
+        ("hidden", dict(ok, hidden=x.hidden[..., :-1]), {}),
+        ("weight", dict(ok, weight=x.weight[0]), {}),
+        ("dtype", dict(ok, hidden=x.hidden.float()), {}),
+        ("same shape", dict(ok, topk_logprobs=x.topk_logprobs[..., :-1]), {}),  # K mismatch
+        ("topk_ids must be", dict(ok, topk_ids=x.topk_ids[:-1], topk_logprobs=x.topk_logprobs[:-1]), {}),
+        ("topk_ids must be int", dict(ok, topk_ids=x.topk_ids.float()), {}),
+        ("id 50", dict(ok, topk_ids=ids_big), {}),
+        ("id -2", dict(ok, topk_ids=ids_neg), {}),
+        ("NaN", dict(ok, topk_logprobs=lp_nan), {}),
+        (r"\+inf", dict(ok, topk_logprobs=lp_inf), {}),
+        ("labels are required", ok, dict(ce_weight=0.5)),
+        ("labels holds id 50", ok, dict(labels=labels_big)),
+        ("labels must have shape", ok, dict(labels=x.labels[:-1])),
+        ("loss_mask must have shape", ok, dict(loss_mask=x.loss_mask[:, :1])),
+        ("tail", ok, dict(tail="full")),
+        ("reduction", ok, dict(reduction="avg")),
+        ("temperature", ok, dict(temperature=0.0)),
+        ("chunk_size", ok, dict(chunk_size=0)),
+        ("main_grad", ok, dict(gradient_accumulation_fusion=True)),
+    ]
+
+
+@pytest.mark.parametrize("fn", [fused_topk_kl, topk_kl_reference])
+def test_bad_inputs_raise(seed, fn):
+    for match, tensors, kw in _bad_inputs():
+        if match == "main_grad" and fn is topk_kl_reference:
+            continue  # the reference accepts and ignores gradient_accumulation_fusion
+        with pytest.raises(ValueError, match=match):
+            fn(**tensors, **kw)
+    x = make_inputs()
+    with pytest.raises(ValueError, match="impl"):
+        fused_topk_kl(x.hidden, x.weight, x.topk_ids, x.topk_logprobs, impl="cuda")
