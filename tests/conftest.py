@@ -29,5 +29,6 @@ def pytest_report_header(config):
 def seed(request) -> int:
     """A seed derived from the run's seed and the test's id; torch's global RNG is seeded too."""
     s = (_SEED + zlib.crc32(request.node.nodeid.encode())) % 2**31
+    print(f"run seed {_SEED} (MEGATRON_KD_TEST_SEED={_SEED} replays it), test seed {s}")
     torch.manual_seed(s)
     return s

@@ -16,7 +16,8 @@ Every tail's loss is  L = C - Σ_S B_v u_v + A·lse(u)  (+ the ghost term), with
     none:   B = p,     A = M,                   C = Σ p log p
     renorm: B = p/M,   A = 1 (0 if S is empty), C = Σ (p/M) log(p/M)
     ghost:  B = p,     A = M,                   C = Σ p log p + (1-M) log(1-M),  - (1-M) log(1-Q)
-and dL/du_v = A' q_v - B_v [v∈S] (+ q_v (1-A') [v∈S] for ghost), A' = A, or (M-Q)/(1-Q) for ghost.
+and dL/du_v = A' q_v - B_v [v∈S] (+ r q_v [v∈S] for ghost), A' = A, or M - rQ for ghost,
+r = (1-M)/(1-Q).
 """
 
 from __future__ import annotations
@@ -205,7 +206,11 @@ def logit_grad_(
     ρ = loss_mask (/ Σ loss_mask for "mean"). None for ce_row_scale drops the CE gradient.
     """
     if tail == "ghost":
-        dense_coef = (teacher.mass - rs.student_mass) / _ghost_one_minus_q(rs)
+        # d/du of -(1-M) log(1-Q) is r·(q_v [v∈S] - q_v Q) with r = (1-M)/(1-Q); 1-M is clamped at 0
+        # exactly as in the loss (cached masses can round above 1). For M <= 1 the dense
+        # coefficient is (M-Q)/(1-Q) and the S entries get q_v - p_v, as in DESIGN.md §1.
+        ghost_ratio = (1.0 - teacher.mass).clamp_min(0.0) / _ghost_one_minus_q(rs)
+        dense_coef = teacher.mass - ghost_ratio * rs.student_mass
     else:
         dense_coef = teacher.lse_coef
     alpha = kd_row_scale * dense_coef * rs.scale_t
@@ -221,7 +226,7 @@ def logit_grad_(
     sparse = -kd_row_scale.unsqueeze(1) * teacher.target_owned
     if tail == "ghost":
         q_s = ((z_s - rs.row_max.unsqueeze(1)) / temperature).exp() / rs.sumexp_t.unsqueeze(1)
-        sparse = sparse + (kd_row_scale * (1.0 - dense_coef)).unsqueeze(1) * q_s * teacher.owned
+        sparse = sparse + (kd_row_scale * ghost_ratio).unsqueeze(1) * q_s * teacher.owned
     e.scatter_add_(1, teacher.local_idx, sparse)
     if ce_row_scale is not None:
         e.scatter_add_(1, label_idx.unsqueeze(1), -(ce_row_scale * label_owned).unsqueeze(1))

@@ -201,3 +201,14 @@ def test_bad_inputs_raise(seed, fn):
     x = make_inputs()
     with pytest.raises(ValueError, match="impl"):
         fused_topk_kl(x.hidden, x.weight, x.topk_ids, x.topk_logprobs, impl="cuda")
+
+
+@pytest.mark.parametrize("excess", [1e-6, 0.0, -1e-9])
+def test_ghost_mass_rounding_near_one(seed, excess):
+    """Cached top-K masses can round a hair above 1; ghost clamps 1 - M at 0 in loss and gradient."""
+    x = make_inputs(pad=False)
+    lp = x.topk_logprobs.double()
+    lp = lp - torch.logsumexp(lp, -1, keepdim=True) + torch.log1p(torch.tensor(excess, dtype=torch.float64))
+    x.topk_logprobs = lp
+    kw = dict(tail="ghost", loss_mask=x.loss_mask)
+    _check(loss_and_grads(fused_topk_kl, x, **kw), loss_and_grads(topk_kl_reference, x, **kw), 1e-12)
