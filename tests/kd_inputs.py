@@ -25,10 +25,16 @@ class LossInputs:
         return LossInputs(**{k: v.to(device) for k, v in vars(self).items()})
 
 
-def teacher_topk(num_tokens: int, vocab: int, k: int, *, generator=None, scale: float = 3.0):
-    """(ids [n, K] int64, logprobs [n, K] float32) from a heavy-tailed teacher distribution."""
-    t = torch.distributions.StudentT(torch.tensor(3.0))
-    logits = t.sample((num_tokens, vocab)) * scale
+def teacher_topk(num_tokens: int, vocab: int, k: int, *, zipf: float = 0.0):
+    """(ids [n, K] int64, logprobs [n, K] float32): top-K of a language-model-like teacher.
+
+    Logits are Student-t (ν = 10) noise scaled by 2, which gives a mean top-1 probability of about
+    0.5 and a top-100 mass of about 0.9 at V = 201,088 (what LM teachers show); ``zipf`` > 0 adds
+    -zipf·log(1 + id), the unigram prior that makes low (frequent, in BPE vocabularies) ids likelier.
+    """
+    logits = torch.distributions.StudentT(torch.tensor(10.0)).sample((num_tokens, vocab)) * 2.0
+    if zipf:
+        logits -= zipf * torch.log1p(torch.arange(vocab, dtype=torch.float32))
     logprobs, ids = torch.log_softmax(logits.double(), -1).topk(k, dim=-1)
     return ids, logprobs.float()
 

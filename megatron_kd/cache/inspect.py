@@ -1,0 +1,77 @@
+"""``verify`` and ``inspect`` of a teacher cache (the ``megatron-kd cache verify|inspect`` commands)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from megatron_kd.cache.codec import CacheError
+from megatron_kd.cache.reader import CacheReader
+from megatron_kd.cache.store import read_root_meta
+
+
+def store_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def _scan(reader: CacheReader, desc: str, progress: bool):
+    """Decode every sample, partition by partition (sequential shards); yield (ids, logprobs) blocks."""
+    meta = reader.meta
+    block = max(1, meta.rows_per_shard)
+    with tqdm(total=meta.num_samples, desc=desc, unit="sample", disable=not progress) as bar:
+        for rank in range(meta.dp_size):
+            samples = meta.layout.samples_of(rank)
+            for i in range(0, len(samples), block):
+                ids, lps = reader.read(samples[i:i + block])
+                bar.update(len(ids))
+                yield ids, lps
+
+
+def verify(path, *, progress: bool = True) -> dict:
+    """Check metadata, every partition's completeness and layout, and that every chunk decodes.
+
+    Raises CacheError with one line naming the file and the problem; returns a summary.
+    """
+    reader = CacheReader(path)  # metadata, schema version, completion record
+    meta = reader.meta
+    for rank in range(meta.dp_size):
+        _, _, done = reader._partition(rank)  # layout of each partition's arrays
+        if not done.all():
+            raise CacheError(f"{path}: partition {rank} is marked complete but rows_done has "
+                             f"{int((~done).sum())} missing rows")
+    tokens = 0
+    for ids, lps in _scan(reader, "verify", progress):
+        tokens += ids.shape[0] * ids.shape[1]
+        valid = ids >= 0
+        if (valid != torch.isfinite(lps)).any():
+            raise CacheError(f"{path}: decoded padding of ids and log-probs disagree")
+    return {"path": str(path), "samples": meta.num_samples, "tokens": tokens, "ok": True}
+
+
+def inspect(path, *, progress: bool = True) -> dict:
+    """Summary of a cache: sizes, bytes/token, mean teacher top-K mass, K, vocab, fingerprints."""
+    path = Path(path)
+    meta = read_root_meta(path)
+    summary = {
+        "path": str(path), "complete": meta.complete, "schema_version": meta.schema_version,
+        "mode": meta.mode, "samples": meta.num_samples, "seq_length": meta.seq_length,
+        "tokens": meta.num_samples * meta.seq_length, "topk": meta.topk, "vocab_size": meta.vocab_size,
+        "temperature": meta.temperature, "dp_size": meta.dp_size, "micro_batch_size": meta.micro_batch_size,
+        "rows_per_shard": meta.rows_per_shard, "bytes": store_bytes(path),
+        "teacher_fingerprint": meta.teacher_fingerprint, "tokenizer_fingerprint": meta.tokenizer_fingerprint,
+        "dataset_fingerprint": meta.dataset_fingerprint,
+    }
+    summary["bytes_per_token"] = summary["bytes"] / max(summary["tokens"], 1)
+    if meta.complete:
+        mass_sum, counted = 0.0, 0
+        for ids, lps in _scan(CacheReader(path), "inspect", progress):
+            mass = lps.exp().sum(-1)  # padding is -inf -> 0
+            has_entries = (ids >= 0).any(-1)
+            mass_sum += float(mass[has_entries].double().sum())
+            counted += int(has_entries.sum())
+        summary["mean_teacher_mass"] = mass_sum / max(counted, 1)
+    return summary

@@ -1,0 +1,108 @@
+"""Root metadata of a teacher cache: what was captured, how it is laid out and encoded.
+
+Stored as the ``megatron_kd`` attribute of the store's root group (zarr.json). Everything in it is
+deterministic, so a resumed build ends with the same bytes as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Literal
+
+from megatron_kd.cache.codec import LOGPROB_SCALE, PAD_CODE, CacheError
+from megatron_kd.cache.layout import PartitionLayout
+
+SCHEMA_VERSION = 1
+ATTR_KEY = "megatron_kd"
+MODES = ("topk", "sampled")
+FINGERPRINTS = ("teacher_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint")
+# Keys a writer's ``metadata`` may set; anything else belongs under "extra".
+METADATA_KEYS = ("temperature", "mode", "sampled_draws", *FINGERPRINTS, "extra")
+
+
+@dataclass
+class CacheMeta:
+    vocab_size: int
+    """Teacher vocabulary size; every cached id is below it."""
+    topk: int
+    """Entries per token (K)."""
+    seq_length: int
+    """Tokens per sample."""
+    num_samples: int
+    """Samples in the store (global sample indices 0 .. num_samples-1)."""
+    dp_size: int
+    """Data-parallel size of the capture: one partition per rank."""
+    micro_batch_size: int
+    """Micro-batch size of the capture (sets which samples each partition holds)."""
+    rows_per_shard: int
+    """Samples per shard file."""
+    temperature: float = 1.0
+    """Temperature at which the teacher's log-probabilities were taken."""
+    mode: Literal["topk", "sampled"] = "topk"
+    """"topk": the K most likely ids; "sampled": ids drawn from the teacher, log(count / draws)."""
+    sampled_draws: int = 0
+    """Draws per token in sampled mode (0 in top-K mode)."""
+    teacher_fingerprint: str = ""
+    tokenizer_fingerprint: str = ""
+    dataset_fingerprint: str = ""
+    extra: dict = field(default_factory=dict)
+    """Free-form, JSON-serializable (e.g. the teacher's arguments); compared on resume."""
+    schema_version: int = SCHEMA_VERSION
+    encoding: dict = field(default_factory=lambda: {
+        "ids": "sorted within a token, first id then gaps, uint32",
+        "logprobs": "round(-logprob * logprob_scale) as uint16, pad_code = padding",
+        "logprob_scale": LOGPROB_SCALE,
+        "pad_code": PAD_CODE,
+    })
+    complete: bool = False
+    """Completion record: every partition holds every one of its samples."""
+
+    @property
+    def layout(self) -> PartitionLayout:
+        return PartitionLayout(self.num_samples, self.dp_size, self.micro_batch_size)
+
+    def partitions(self) -> list[dict]:
+        """Per-partition sample ranges (rows, first and last global sample)."""
+        out = []
+        for rank in range(self.dp_size):
+            samples = self.layout.samples_of(rank)
+            out.append({"rank": rank, "rows": len(samples),
+                        "first_sample": int(samples[0]) if len(samples) else None,
+                        "last_sample": int(samples[-1]) if len(samples) else None})
+        return out
+
+    def to_attrs(self) -> dict:
+        attrs = asdict(self)
+        attrs["partitions"] = self.partitions()
+        return attrs
+
+    @classmethod
+    def from_attrs(cls, attrs: dict, *, path: str) -> "CacheMeta":
+        version = attrs.get("schema_version")
+        if not isinstance(version, int):
+            raise CacheError(f"{path}: zarr.json has no {ATTR_KEY}.schema_version; not a megatron_kd cache")
+        if version > SCHEMA_VERSION:
+            raise CacheError(f"{path}: written by a newer megatron_kd (schema_version {version} > "
+                             f"{SCHEMA_VERSION} supported); upgrade megatron_kd to read it")
+        names = {f.name for f in fields(cls)}
+        missing = [n for n in ("vocab_size", "topk", "seq_length", "num_samples", "dp_size",
+                               "micro_batch_size", "rows_per_shard") if n not in attrs]
+        if missing:
+            raise CacheError(f"{path}: zarr.json {ATTR_KEY} lacks field(s) {missing}")
+        return cls(**{k: v for k, v in attrs.items() if k in names})
+
+    def mismatches(self, other: "CacheMeta") -> list[tuple[str, object, object]]:
+        """(field, self value, other value) for every field that differs, completion excluded."""
+        return [(f.name, getattr(self, f.name), getattr(other, f.name)) for f in fields(self)
+                if f.name != "complete" and getattr(self, f.name) != getattr(other, f.name)]
+
+
+def check_expected(meta: CacheMeta, expect: dict, *, path: str) -> None:
+    """Raise CacheError naming the first field whose stored value differs from ``expect``."""
+    names = {f.name for f in fields(CacheMeta)}
+    for key, want in expect.items():
+        if key not in names:
+            raise ValueError(f"unknown cache field {key!r} in expect (known: {sorted(names)})")
+        have = getattr(meta, key)
+        if have != want:
+            raise CacheError(f"{path}: cache {key} is {have!r}, expected {want!r}")

@@ -1,0 +1,137 @@
+"""``CacheReader``: teacher top-K tensors for any sample, ready for the loss.
+
+The reader maps a global sample index to (partition, row) with the capture's layout, so any
+data-parallel size reads correctly; with the capture's dp_size and micro_batch_size a rank's
+samples are its own partition's rows in order, and ``prefetch`` streams them from consecutive
+shards on a background thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_kd.cache.codec import CacheError, decode_topk
+from megatron_kd.cache.meta import CacheMeta, check_expected
+from megatron_kd.cache.store import DONE, open_partition, open_root, partition_name, read_root_meta
+
+
+class CacheReader:
+    """Reads a complete teacher cache.
+
+    ``dp_rank`` / ``dp_size`` describe the reading job; they only matter for speed (same layout
+    as the capture: sequential reads of one partition). ``expect`` maps cache fields
+    (vocab_size, topk, seq_length, dataset_fingerprint, ...) to the values the job needs; any
+    difference raises CacheError naming the field. ``allow_incomplete`` opens a store whose build
+    has not finished (for inspection); reading a sample that is not written yet then raises.
+    """
+
+    def __init__(self, path, *, dp_rank: int = 0, dp_size: int = 1, expect: dict | None = None,
+                 ids_dtype: torch.dtype = torch.int32, allow_incomplete: bool = False):
+        self.path = Path(path)
+        self.meta: CacheMeta = read_root_meta(self.path)
+        if not self.meta.complete and not allow_incomplete:
+            raise CacheError(f"{self.path}: incomplete cache ({self._incomplete_partitions()}); finish the "
+                             f"build (re-run it to resume) before training on it")
+        check_expected(self.meta, expect or {}, path=str(self.path))
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.ids_dtype = ids_dtype
+        self._root = open_root(self.path)
+        self._partitions: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def same_layout_as_capture(self) -> bool:
+        return self.dp_size == self.meta.dp_size
+
+    def _incomplete_partitions(self) -> str:
+        root = open_root(self.path)
+        missing = []
+        for rank in range(self.meta.dp_size):
+            name = partition_name(rank)
+            if name not in root:
+                missing.append(f"{name} missing")
+            elif not root[name].attrs.get("complete"):
+                done = int(np.count_nonzero(root[name][DONE][:]))
+                missing.append(f"{name} has {done}/{self.meta.layout.rows_of(rank)} samples")
+        return ", ".join(missing) or "completion record missing"
+
+    def _partition(self, rank: int):
+        with self._lock:
+            if rank not in self._partitions:
+                group = open_partition(self._root, self.meta, rank, path=self.path)
+                self._partitions[rank] = (group["ids"], group["logprobs"], group[DONE][:].astype(bool))
+            return self._partitions[rank]
+
+    def read(self, sample_idx) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [n, seq_length, K] (-1 = padding) and float32 log-probs (-inf = padding) for the
+        given global sample index (n = 1) or indices (n = len)."""
+        samples = np.atleast_1d(np.asarray(sample_idx, dtype=np.int64))
+        bad = samples[(samples < 0) | (samples >= self.meta.num_samples)]
+        if len(bad):
+            raise CacheError(f"{self.path}: sample {int(bad[0])} is outside the cache's 0..{self.meta.num_samples - 1}")
+        ranks, rows = self.meta.layout.locate(samples)
+        seq, k = self.meta.seq_length, self.meta.topk
+        deltas = np.empty((len(samples), seq, k), np.uint32)
+        codes = np.empty((len(samples), seq, k), np.uint16)
+        # read runs of consecutive rows of one partition with one zarr call each
+        start = 0
+        while start < len(samples):
+            stop = start + 1
+            while stop < len(samples) and ranks[stop] == ranks[start] and rows[stop] == rows[stop - 1] + 1:
+                stop += 1
+            rank, r0, r1 = int(ranks[start]), int(rows[start]), int(rows[stop - 1]) + 1
+            ids_arr, lps_arr, done = self._partition(rank)
+            if not done[r0:r1].all():
+                missing = r0 + int(np.flatnonzero(~done[r0:r1])[0])
+                raise CacheError(f"{self.path / partition_name(rank)}: sample {int(samples[start + missing - r0])} "
+                                 f"(row {missing}) was never written")
+            try:
+                deltas[start:stop] = ids_arr[r0:r1]
+                codes[start:stop] = lps_arr[r0:r1]
+            except Exception as e:  # zarr / codec errors: truncated or corrupted shard files
+                raise CacheError(f"{self.path / partition_name(rank)}: rows {r0}..{r1 - 1} unreadable "
+                                 f"(truncated or corrupted shard?): {type(e).__name__}: {e}") from e
+            start = stop
+        return decode_topk(deltas, codes, ids_dtype=self.ids_dtype)
+
+    def prefetch(self, samples: Iterable[int], *, block: int | None = None, depth: int = 4) -> Iterator:
+        """Yield (sample_idx, ids [seq, K], logprobs [seq, K]) for ``samples`` in order, decoding
+        ``block`` samples at a time on a background thread, at most ``depth`` blocks ahead."""
+        samples = np.asarray(list(samples), dtype=np.int64)
+        block = block or max(1, self.meta.rows_per_shard)
+        q: queue.Queue = queue.Queue(maxsize=depth)
+        stop = threading.Event()
+
+        def produce():
+            try:
+                for i in range(0, len(samples), block):
+                    if stop.is_set():
+                        return
+                    chunk = samples[i:i + block]
+                    q.put((chunk, *self.read(chunk)))
+                q.put(None)
+            except BaseException as e:  # surfaced in the consumer
+                q.put(e)
+
+        thread = threading.Thread(target=produce, name="kd-cache-prefetch", daemon=True)
+        thread.start()
+        try:
+            while (item := q.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                chunk, ids, lps = item
+                for j, s in enumerate(chunk):
+                    yield int(s), ids[j], lps[j]
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    thread.join(timeout=0.05)

@@ -1,0 +1,202 @@
+"""``CacheWriter``: one data-parallel rank writes its partition of a teacher cache.
+
+Ranks write concurrently, each only its own partition group; the root zarr.json is created once
+with content every rank agrees on, and rewritten only by whichever rank completes the last
+partition. Samples are buffered until a shard's rows are all present, then the shard is written in
+one piece and its rows are marked in ``rows_done``, so a killed build loses at most the shards it
+was filling. Opening a writer again on the same path with the same parameters resumes: rows
+already done are skipped (``pending_samples`` lists the rest) and the finished store is
+byte-identical to an uninterrupted build.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import zarr
+
+from megatron_kd.cache.codec import CacheError, encode_topk
+from megatron_kd.cache.meta import ATTR_KEY, METADATA_KEYS, MODES, CacheMeta
+from megatron_kd.cache.store import (
+    ARRAYS,
+    DONE,
+    create_partition,
+    default_rows_per_shard,
+    open_partition,
+    open_root,
+    partition_name,
+    read_root_meta,
+)
+from pathlib import Path
+
+
+def _open_or_create_root(path: Path, meta: CacheMeta) -> zarr.Group:
+    if not (path / "zarr.json").exists():
+        try:
+            zarr.create_group(store=str(path), attributes={ATTR_KEY: meta.to_attrs()}, zarr_format=3)
+        except zarr.errors.ContainsGroupError:
+            pass  # another rank created it first; compared below like any existing store
+    stored = read_root_meta(path)
+    for name, have, want in stored.mismatches(meta):
+        raise CacheError(f"{path}: existing cache has {name}={have!r}, this writer has {name}={want!r}; "
+                         f"use another path or the original parameters")
+    return open_root(path, mode="r+")
+
+
+class CacheWriter:
+    """Writes the samples of data-parallel rank ``dp_rank`` (see layout.py for which those are).
+
+    ``metadata`` may set temperature, mode ("topk" / "sampled"), sampled_draws, the
+    teacher / tokenizer / dataset fingerprints, and "extra" (any JSON-serializable dict).
+    """
+
+    def __init__(self, path, *, vocab_size: int, topk: int, seq_length: int, num_samples: int,
+                 dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int = 1, metadata: dict | None = None,
+                 rows_per_shard: int | None = None):
+        metadata = dict(metadata or {})
+        unknown = set(metadata) - set(METADATA_KEYS)
+        if unknown:
+            raise ValueError(f"metadata keys {sorted(unknown)} are not cache fields; put them under 'extra' "
+                             f"(known: {METADATA_KEYS})")
+        if metadata.get("mode", "topk") not in MODES:
+            raise ValueError(f"metadata mode must be one of {MODES}, got {metadata['mode']!r}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
+        for name, value in (("vocab_size", vocab_size), ("topk", topk), ("seq_length", seq_length)):
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.path = Path(path)
+        self.rank = dp_rank
+        probe = CacheMeta(vocab_size, topk, seq_length, num_samples, dp_size, micro_batch_size, 1)
+        max_rows = max(probe.layout.rows_of(r) for r in range(dp_size))
+        self.meta = CacheMeta(
+            vocab_size=vocab_size, topk=topk, seq_length=seq_length, num_samples=num_samples,
+            dp_size=dp_size, micro_batch_size=micro_batch_size,
+            rows_per_shard=rows_per_shard or default_rows_per_shard(seq_length, topk, max_rows),
+            **metadata,
+        )
+        self.root = _open_or_create_root(self.path, self.meta)
+        name = partition_name(dp_rank)
+        if name in self.root:
+            self.group = open_partition(self.root, self.meta, dp_rank, path=self.path)
+        else:
+            self.group = create_partition(self.root, self.meta, dp_rank)
+        self.samples = self.meta.layout.samples_of(dp_rank)
+        self.shard_rows = self.group["ids"].shards[0]
+        self.done = self.group[DONE][:].astype(bool)
+        self._buffers: dict[int, dict] = {}  # shard index -> {"ids", "logprobs", "filled"}
+
+    # ---------------------------------------------------------------- progress
+    @property
+    def num_rows(self) -> int:
+        return len(self.samples)
+
+    def pending_samples(self) -> np.ndarray:
+        """Global indices of this partition's samples not yet on disk, in row order."""
+        return self.samples[~self.done]
+
+    def is_done(self, sample_idx: int) -> bool:
+        return bool(self.done[self._row(sample_idx)])
+
+    def _row(self, sample_idx: int) -> int:
+        if not 0 <= sample_idx < self.meta.num_samples:
+            raise CacheError(f"sample {sample_idx} is outside the cache's 0..{self.meta.num_samples - 1}")
+        rank, row = self.meta.layout.locate(sample_idx)
+        if rank != self.rank:
+            raise CacheError(f"sample {sample_idx} belongs to data-parallel rank {int(rank)}'s partition, "
+                             f"not rank {self.rank}'s")
+        return int(row)
+
+    # ---------------------------------------------------------------- writing
+    def write(self, sample_idx, topk_ids, topk_logprobs) -> int:
+        """Store samples: ``sample_idx`` an int with [seq_length, K] tensors, or n indices with
+        [n, seq_length, K]. Samples already on disk are skipped. Returns how many were new."""
+        indices = np.atleast_1d(np.asarray(sample_idx, dtype=np.int64))
+        expect = (len(indices), self.meta.seq_length, self.meta.topk)
+        if np.ndim(sample_idx) == 0:
+            expect = expect[1:]
+        if tuple(topk_ids.shape) != expect or tuple(topk_logprobs.shape) != expect:
+            raise CacheError(f"sample {indices[0]}: topk_ids {tuple(topk_ids.shape)} / topk_logprobs "
+                             f"{tuple(topk_logprobs.shape)} must be {expect} (seq_length={self.meta.seq_length}, "
+                             f"K={self.meta.topk})")
+        deltas, codes = encode_topk(topk_ids, topk_logprobs, self.meta.vocab_size,
+                                    where=f"sample {indices[0]}{'..' if len(indices) > 1 else ''}: ")
+        deltas = deltas.reshape(len(indices), self.meta.seq_length, self.meta.topk)
+        codes = codes.reshape(deltas.shape)
+        new = 0
+        for i, sample in enumerate(indices):
+            row = self._row(int(sample))
+            if self.done[row]:
+                continue
+            shard = row // self.shard_rows
+            buf = self._buffers.get(shard)
+            if buf is None:
+                buf = self._buffers[shard] = self._new_buffer(shard)
+            local = row - shard * self.shard_rows
+            buf["ids"][local], buf["logprobs"][local] = deltas[i], codes[i]
+            if not buf["filled"][local]:
+                buf["filled"][local] = True
+                new += 1
+            if buf["filled"].all():
+                self._flush(shard)
+        return new
+
+    def _shard_range(self, shard: int) -> tuple[int, int]:
+        start = shard * self.shard_rows
+        return start, min(start + self.shard_rows, self.num_rows)
+
+    def _new_buffer(self, shard: int) -> dict:
+        start, stop = self._shard_range(shard)
+        shape = (stop - start, self.meta.seq_length, self.meta.topk)
+        buf = {"ids": np.zeros(shape, np.uint32), "logprobs": np.zeros(shape, np.uint16),
+               "filled": self.done[start:stop].copy()}
+        if buf["filled"].any():  # rows written by an earlier, interrupted run: rewrite the shard whole
+            for name in ARRAYS:
+                buf[name][:] = self.group[name][start:stop]
+        return buf
+
+    def _flush(self, shard: int) -> None:
+        """Write a buffered shard (whole, or its filled rows when closing early) and mark its rows."""
+        buf = self._buffers.pop(shard)
+        start, stop = self._shard_range(shard)
+        if buf["filled"].all():
+            for name in ARRAYS:
+                self.group[name][start:stop] = buf[name]
+        else:
+            for local in np.flatnonzero(buf["filled"] & ~self.done[start:stop]):
+                for name in ARRAYS:
+                    self.group[name][start + local] = buf[name][local]
+        # rows_done after the data: a row marked done is always on disk
+        self.done[start:stop] |= buf["filled"]
+        self.group[DONE][start:stop] = self.done[start:stop].astype(np.uint8)
+
+    def close(self) -> bool:
+        """Write what is buffered; record completion if every sample of the partition is present
+        (and the whole store's completion if every partition is). Returns partition completeness."""
+        for shard in sorted(self._buffers):
+            self._flush(shard)
+        if not self.done.all():
+            return False
+        if not self.group.attrs.get("complete"):
+            self.group.attrs.update({"complete": True})
+        self._complete_store_if_last()
+        return True
+
+    def _complete_store_if_last(self) -> None:
+        # Each rank marks its own partition before looking at the others, so the last one to
+        # finish sees every partition complete; concurrent finishers write identical bytes.
+        for rank in range(self.meta.dp_size):
+            if rank == self.rank:
+                continue
+            name = partition_name(rank)
+            if name not in self.root or not zarr.open_group(store=str(self.path / name), mode="r").attrs.get("complete"):
+                return
+        if not read_root_meta(self.path).complete:
+            self.meta.complete = True
+            self.root.attrs.update({ATTR_KEY: self.meta.to_attrs()})
+
+    def __enter__(self) -> "CacheWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()

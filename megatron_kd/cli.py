@@ -1,0 +1,67 @@
+"""``megatron-kd``: command-line entry point.
+
+    megatron-kd cache inspect PATH [--json]    summary of a teacher cache
+    megatron-kd cache verify PATH              check metadata, completeness and every chunk
+
+Errors in the input print one line to stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _cmd_cache_inspect(args) -> int:
+    from megatron_kd.cache.inspect import inspect
+
+    summary = inspect(args.path, progress=not args.json)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        width = max(map(len, summary))
+        for key, value in summary.items():
+            if isinstance(value, float):
+                value = f"{value:.4g}"
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _cmd_cache_verify(args) -> int:
+    from megatron_kd.cache.inspect import verify
+
+    summary = verify(args.path, progress=True)
+    print(f"{summary['path']}: OK ({summary['samples']} samples, {summary['tokens']} tokens)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-kd", description="Offline knowledge distillation for Megatron-Core.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    cache = commands.add_parser("cache", help="Teacher top-K caches (Zarr v3 stores).")
+    cache_cmds = cache.add_subparsers(dest="cache_command", required=True)
+    p = cache_cmds.add_parser("inspect", help="Print samples, tokens, bytes/token, mean teacher mass, K, vocab, fingerprints.")
+    p.add_argument("path", help="Path of the cache store.")
+    p.add_argument("--json", action="store_true", help="Print the summary as JSON (no progress bar).")
+    p.set_defaults(func=_cmd_cache_inspect)
+    p = cache_cmds.add_parser("verify", help="Check metadata, every partition's completeness and that every chunk decodes.")
+    p.add_argument("path", help="Path of the cache store.")
+    p.set_defaults(func=_cmd_cache_verify)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from megatron_kd.cache.codec import CacheError
+
+    try:
+        return args.func(args)
+    except CacheError as e:
+        print(f"megatron-kd: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
