@@ -2,7 +2,9 @@
 
 Within each token the valid entries are sorted by id and padding goes last:
 
-    id_deltas  uint32 [..., K]  first valid id, then gaps to the next id (0 for padding)
+    id_deltas  uint32 [..., K]  first valid id, then gaps to the next id; the first padding entry
+                                holds -(last id + 1) (two's complement) and later ones 0, so a
+                                running sum gives -1 on padding
     codes      uint16 [..., K]  round(-logprob · LOGPROB_SCALE), clamped to [0, PAD_CODE - 1];
                                 PAD_CODE marks padding
 
@@ -65,9 +67,12 @@ def encode_topk(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[np.
         tok = np.argwhere((gaps == 0) & sorted_valid[..., 1:])[0][:-1]
         raise CacheError(f"{where}topk_ids repeats an id within token {tuple(int(t) for t in tok)}")
 
-    deltas = np.zeros(ids.shape, dtype=np.uint32)
-    deltas[..., :1] = np.where(sorted_valid[..., :1], sorted_ids[..., :1], 0)
-    deltas[..., 1:] = np.where(sorted_valid[..., 1:], gaps, 0)
+    # running sums of these give the sorted ids, then -1 from the first padding entry on
+    prev = np.concatenate([np.zeros(ids.shape[:-1] + (1,), np.int64), sorted_ids[..., :-1]], -1)
+    prev_valid = np.concatenate([np.ones(ids.shape[:-1] + (1,), bool), sorted_valid[..., :-1]], -1)
+    first_pad = ~sorted_valid & prev_valid
+    deltas = np.where(sorted_valid, sorted_ids - prev, np.where(first_pad, -1 - prev, 0))
+    deltas = deltas.astype(np.int64).astype(np.uint32)
     codes = np.clip(np.rint(-sorted_lps.astype(np.float64) * LOGPROB_SCALE), 0, MAX_CODE).astype(np.uint16)
     codes[~sorted_valid] = PAD_CODE
     return deltas, codes
@@ -77,9 +82,8 @@ def decode_topk(id_deltas: np.ndarray, codes: np.ndarray, *, ids_dtype=torch.int
     """Inverse of ``encode_topk``: torch (ids [..., K] with -1 padding, float32 log-probs with -inf)."""
     deltas = torch.from_numpy(np.ascontiguousarray(id_deltas).view(np.int32))  # ids < 2^31
     ids = torch.cumsum(deltas, dim=-1, dtype=ids_dtype)
-    codes_t = torch.from_numpy(np.ascontiguousarray(codes).view(np.int16)).to(torch.int32) & 0xFFFF
-    pad = codes_t == PAD_CODE
-    logprobs = codes_t.to(torch.float32).mul_(-1.0 / LOGPROB_SCALE)
-    logprobs.masked_fill_(pad, float("-inf"))
-    ids.masked_fill_(pad, -1)
-    return ids, logprobs
+    codes = np.ascontiguousarray(codes)
+    logprobs = codes.astype(np.float32)
+    logprobs *= np.float32(-1.0 / LOGPROB_SCALE)
+    logprobs[codes == PAD_CODE] = -np.inf
+    return ids, torch.from_numpy(logprobs)

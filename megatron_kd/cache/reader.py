@@ -76,29 +76,26 @@ class CacheReader:
         if len(bad):
             raise CacheError(f"{self.path}: sample {int(bad[0])} is outside the cache's 0..{self.meta.num_samples - 1}")
         ranks, rows = self.meta.layout.locate(samples)
-        seq, k = self.meta.seq_length, self.meta.topk
-        deltas = np.empty((len(samples), seq, k), np.uint32)
-        codes = np.empty((len(samples), seq, k), np.uint16)
-        # read runs of consecutive rows of one partition with one zarr call each
-        start = 0
-        while start < len(samples):
-            stop = start + 1
-            while stop < len(samples) and ranks[stop] == ranks[start] and rows[stop] == rows[stop - 1] + 1:
-                stop += 1
-            rank, r0, r1 = int(ranks[start]), int(rows[start]), int(rows[stop - 1]) + 1
-            ids_arr, lps_arr, done = self._partition(rank)
-            if not done[r0:r1].all():
-                missing = r0 + int(np.flatnonzero(~done[r0:r1])[0])
-                raise CacheError(f"{self.path / partition_name(rank)}: sample {int(samples[start + missing - r0])} "
-                                 f"(row {missing}) was never written")
-            try:
-                deltas[start:stop] = ids_arr[r0:r1]
-                codes[start:stop] = lps_arr[r0:r1]
-            except Exception as e:  # zarr / codec errors: truncated or corrupted shard files
-                raise CacheError(f"{self.path / partition_name(rank)}: rows {r0}..{r1 - 1} unreadable "
-                                 f"(truncated or corrupted shard?): {type(e).__name__}: {e}") from e
-            start = stop
-        return decode_topk(deltas, codes, ids_dtype=self.ids_dtype)
+        # runs of consecutive rows of one partition: one zarr read each
+        breaks = np.flatnonzero((np.diff(ranks) != 0) | (np.diff(rows) != 1)) + 1
+        runs = [self._read_rows(int(ranks[a]), int(rows[a]), int(rows[b - 1]) + 1, samples[a:b])
+                for a, b in zip([0, *breaks], [*breaks, len(samples)])]
+        if len(runs) == 1:
+            return decode_topk(*runs[0], ids_dtype=self.ids_dtype)
+        return decode_topk(np.concatenate([r[0] for r in runs]), np.concatenate([r[1] for r in runs]),
+                           ids_dtype=self.ids_dtype)
+
+    def _read_rows(self, rank: int, r0: int, r1: int, samples: np.ndarray):
+        ids_arr, lps_arr, done = self._partition(rank)
+        if not done[r0:r1].all():
+            missing = int(np.flatnonzero(~done[r0:r1])[0])
+            raise CacheError(f"{self.path / partition_name(rank)}: sample {int(samples[missing])} "
+                             f"(row {r0 + missing}) was never written")
+        try:
+            return ids_arr[r0:r1], lps_arr[r0:r1]
+        except Exception as e:  # zarr / codec errors: truncated or corrupted shard files
+            raise CacheError(f"{self.path / partition_name(rank)}: rows {r0}..{r1 - 1} unreadable "
+                             f"(truncated or corrupted shard?): {type(e).__name__}: {e}") from e
 
     def prefetch(self, samples: Iterable[int], *, block: int | None = None, depth: int = 4) -> Iterator:
         """Yield (sample_idx, ids [seq, K], logprobs [seq, K]) for ``samples`` in order, decoding

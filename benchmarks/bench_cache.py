@@ -1,0 +1,89 @@
+"""Teacher cache: bytes per token on disk and read+decode throughput of one process (CPU).
+
+    python benchmarks/bench_cache.py                       # K=100, V=201,088, 64 samples x 2048 tokens
+    python benchmarks/bench_cache.py --samples 16 --seq-length 4096 --rows-per-shard 4,16
+
+Data is teacher-like (tests/kd_inputs.teacher_topk: Student-t logits, mean top-1 p ~0.5, top-100
+mass ~0.9), once with uniform ids (the worst case for id compression) and once with a Zipf(1)
+unigram prior on ids (real LM top-K lists favour frequent, i.e. low BPE, ids). Naive storage
+(int32 ids + bf16 values) is 600 bytes/token at K=100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from kd_inputs import teacher_topk  # noqa: E402
+
+from megatron_kd.cache import CacheReader, CacheWriter  # noqa: E402
+from megatron_kd.cache.inspect import store_bytes  # noqa: E402
+
+
+def run(args, zipf: float, rows_per_shard: int, workdir: Path) -> dict:
+    path = workdir / f"cache-zipf{zipf}-rps{rows_per_shard}"
+    shutil.rmtree(path, ignore_errors=True)
+    torch.manual_seed(0)
+    # generate a pool of distinct samples once; the full vocab softmax is the slow part
+    pool = [teacher_topk(args.seq_length, args.vocab, args.topk, zipf=zipf) for _ in range(args.pool)]
+    t0 = time.perf_counter()
+    with CacheWriter(path, vocab_size=args.vocab, topk=args.topk, seq_length=args.seq_length,
+                     num_samples=args.samples, rows_per_shard=rows_per_shard) as w:
+        for s in range(args.samples):
+            w.write(s, *pool[s % len(pool)])
+    write_s = time.perf_counter() - t0
+    tokens = args.samples * args.seq_length
+    reader = CacheReader(path)
+    best = float("inf")
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        n = 0
+        for _, ids, lps in reader.prefetch(range(args.samples)):
+            n += ids.shape[0]
+        best = min(best, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    for s in range(args.samples):
+        reader.read(s)
+    single_s = time.perf_counter() - t0
+    return {"zipf": zipf, "rows_per_shard": rows_per_shard, "bytes_per_token": store_bytes(path) / tokens,
+            "write_tok_s": tokens / write_s, "prefetch_tok_s": n / best, "read_one_by_one_tok_s": tokens / single_s}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, default=201_088)
+    p.add_argument("--topk", type=int, default=100)
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--pool", type=int, default=8, help="distinct generated samples (reused cyclically)")
+    p.add_argument("--rows-per-shard", default="8,32")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workdir", type=Path, default=None)
+    args = p.parse_args()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_cache_"))
+    print(f"torch threads {torch.get_num_threads()}, K={args.topk}, V={args.vocab}, "
+          f"{args.samples} samples x {args.seq_length} tokens, workdir {workdir}")
+    rows = []
+    for zipf in (0.0, 1.0):
+        for rps in map(int, args.rows_per_shard.split(",")):
+            r = run(args, zipf, rps, workdir)
+            rows.append(r)
+            print(r, flush=True)
+    print(f"\n{'ids':10} {'rows/shard':>10} {'bytes/token':>12} {'write tok/s':>12} {'prefetch tok/s':>15} {'read(1) tok/s':>14}")
+    for r in rows:
+        print(f"{'zipf(1)' if r['zipf'] else 'uniform':10} {r['rows_per_shard']:>10} {r['bytes_per_token']:>12.1f} "
+              f"{r['write_tok_s']:>12.3g} {r['prefetch_tok_s']:>15.3g} {r['read_one_by_one_tok_s']:>14.3g}")
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
