@@ -29,8 +29,9 @@ setup(
         "tensorboard",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
-        "dev": ["pytest>=8", "pytest-timeout", "ruff"],
+        "hf": ["transformers>=4.50"],
+        "test": ["pytest>=8", "pytest-timeout", "transformers>=4.50", "matplotlib"],
+        "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.50", "matplotlib", "ruff"],
     },
     entry_points={"console_scripts": ["megatron-kd=megatron_kd.cli:main"]},
 )

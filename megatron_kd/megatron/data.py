@@ -1,0 +1,103 @@
+"""Megatron data plumbing shared by the teacher pass, training and the demo.
+
+- ``ByteTokenizer``: a byte-level MegatronTokenizer (256 bytes + end-of-document + pad).
+- ``write_indexed_dataset``: documents of token ids -> Megatron's .bin/.idx pair.
+- ``build_gpt_datasets``: megatron-core's GPTDataset splits through BlendedMegatronDatasetBuilder,
+  exactly as Megatron-LM's pretrain_gpt builds them (so sample indices agree with training).
+- fingerprints of tokenizers and datasets, stored in and checked against the teacher cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
+
+
+class ByteTokenizer(MegatronTokenizerBase):
+    """UTF-8 bytes as tokens 0..255, then end-of-document (256) and pad (257)."""
+
+    def __init__(self):
+        super().__init__(path="", config={})
+        # megatron-core datasets put this into their description (and hence their hash)
+        self.unique_identifiers = {"class": type(self).__name__, "vocab_size": self.vocab_size}
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    @property
+    def vocab(self) -> dict:
+        return {**{bytes([i]).hex(): i for i in range(256)}, "<eod>": 256, "<pad>": 257}
+
+    @property
+    def vocab_size(self) -> int:
+        return 258
+
+    @property
+    def eod(self) -> int:
+        return 256
+
+    @property
+    def pad(self) -> int:
+        return 257
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise NotImplementedError("ByteTokenizer has no chat template")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the tokenizer's class, vocabulary size and vocabulary (id -> token mapping)."""
+    try:
+        vocab = tokenizer.vocab
+        items = sorted((str(k), int(v)) for k, v in vocab.items())
+    except (AttributeError, NotImplementedError, TypeError):
+        items = []
+    doc = {"class": type(tokenizer).__name__, "vocab_size": int(tokenizer.vocab_size), "vocab": items}
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
+
+
+def dataset_fingerprint(dataset) -> str:
+    """megatron-core's own hash of the dataset's description (files, split, seed, length, count)."""
+    return str(dataset.unique_description_hash)
+
+
+def write_indexed_dataset(prefix: str | Path, documents: Iterable, vocab_size: int) -> Path:
+    """Write documents (sequences of token ids) as ``prefix``.bin / ``prefix``.idx."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    dtype = np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=dtype)
+    for doc in documents:
+        builder.add_document(torch.as_tensor(np.asarray(doc, dtype=np.int64)), [len(doc)])
+    builder.finalize(str(prefix) + ".idx")
+    return prefix
+
+
+def build_gpt_datasets(data_prefixes: list[str], *, split: str, seq_length: int, seed: int, tokenizer,
+                       num_samples: tuple[int, int, int], cache_dir: str | None = None, is_built_on_rank=None):
+    """(train, valid, test) GPTDatasets, as Megatron-LM builds them for pretraining.
+
+    The blend is a list of prefixes (equal weights) as in ``--data-path``; sample i of a split is
+    the same token window on every rank and in every run with the same arguments.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=(list(map(str, data_prefixes)), None),
+        split=split, tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, create_attention_mask=False, path_to_cache=cache_dir,
+        mid_level_dataset_surplus=0.005,
+    )
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank or (lambda: True), config)
+    return tuple(builder.build())

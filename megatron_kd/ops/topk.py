@@ -1,0 +1,147 @@
+"""Teacher-side ops: the top-K (or a sample) of softmax(hidden · Wᵀ / τ) without full logits.
+
+Per chunk of tokens each tensor-parallel rank projects onto its vocabulary shard, takes its local
+top-K and its row (max, sum-exp), and one all-gather of [c, 2K + 2] gives every rank the
+candidates and the global logsumexp: the global top-K is the top-K of the tp·K candidates, and
+log p = z/τ - logsumexp(z/τ). Never a [tokens, V] tensor; one [chunk, V_local] block at a time.
+
+Rows of the output layer beyond ``vocab_size`` (Megatron pads the vocabulary to a multiple of
+128·tp) are not tokens: they are left out of both the top-K and the normalization.
+
+``vocab_parallel_sample`` draws N tokens per position from the same distribution (Random-Sampling
+KD): the draws' counts, log(count / N), replace the top-K as an unbiased sparse teacher.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_kd.ops.comm import all_gather_stack, group_rank, group_size
+from megatron_kd.ops.topk_kl_function import accumulation_dtype, auto_chunk_size
+
+_MAX_FLOAT_ID = 1 << 24  # ids travel through the all-gather as exact float32 values
+
+
+def _logits_chunks(hidden, weight, *, tp_group, vocab_size, temperature, chunk_size):
+    """Yield (start, end, z) with z = h·Wᵀ/τ for this rank's shard in fp32, padding rows at -inf."""
+    rank, tp = group_rank(tp_group), group_size(tp_group)
+    vocab_local = weight.shape[0]
+    vocab_size = vocab_size or vocab_local * tp
+    if not 0 < vocab_size <= vocab_local * tp:
+        raise ValueError(f"vocab_size must be in (0, {vocab_local * tp}] (weight rows x tp), got {vocab_size}")
+    if vocab_size >= _MAX_FLOAT_ID:
+        raise ValueError(f"vocab_size {vocab_size} too large (ids are exchanged as float32, < 2^24)")
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden [..., {hidden.shape[-1]}] does not match weight [V_local, {weight.shape[1]}]")
+    acc = accumulation_dtype(hidden.dtype)
+    h2d = hidden.reshape(-1, hidden.shape[-1])
+    mixed = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+    w = weight if mixed else weight.to(acc)
+    start_id = rank * vocab_local
+    n_real = max(0, min(vocab_local, vocab_size - start_id))  # this rank's rows that are real tokens
+    chunk = chunk_size or auto_chunk_size(h2d.shape[0], vocab_local, device=hidden.device, block_dtype=acc,
+                                          gemm_dtype=acc, extra_block=True)
+    for a in range(0, h2d.shape[0], chunk):
+        b = min(a + chunk, h2d.shape[0])
+        z = torch.mm(h2d[a:b], w.t(), out_dtype=acc) if mixed else h2d[a:b].to(acc) @ w.t()
+        if temperature != 1.0:
+            z.mul_(1.0 / temperature)
+        z[:, n_real:] = float("-inf")
+        yield a, b, z
+
+
+def _combine_lse(rank_max: torch.Tensor, rank_sumexp: torch.Tensor) -> torch.Tensor:
+    """[tp, c] per-rank (max, Σ exp(z - max)) -> [c] global logsumexp."""
+    m = rank_max.amax(0)
+    return m + (rank_sumexp * (rank_max - m).exp()).sum(0).log()
+
+
+def _local_max_sumexp_(z: torch.Tensor):
+    """Row max and Σ exp(z - max) of this rank's block; leaves exp(z - max) in z."""
+    row_max = z.amax(-1)
+    z.sub_(row_max.unsqueeze(1)).exp_()
+    return row_max, z.sum(-1)
+
+
+@torch.no_grad()
+def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, *,
+                        tp_group: dist.ProcessGroup | None = None, vocab_size: int | None = None,
+                        temperature: float = 1.0, chunk_size: int | None = None):
+    """(ids int64 [..., k] global, logprobs float32 [..., k]) in descending probability.
+
+    hidden [..., h]; weight [V_local, h] = rows [r·V_local, (r+1)·V_local) on TP rank r.
+    """
+    rank, tp = group_rank(tp_group), group_size(tp_group)
+    vocab_local = weight.shape[0]
+    lead = hidden.shape[:-1]
+    ids_out = torch.empty((*lead, k), dtype=torch.int64, device=hidden.device).view(-1, k)
+    lps_out = torch.empty((*lead, k), dtype=torch.float32, device=hidden.device).view(-1, k)
+    k_local = min(k, vocab_local)
+    for a, b, z in _logits_chunks(hidden, weight, tp_group=tp_group, vocab_size=vocab_size,
+                                  temperature=temperature, chunk_size=chunk_size):
+        c = b - a
+        vals, idx = z.topk(k_local, dim=-1)
+        row_max, sumexp = _local_max_sumexp_(z)
+        del z
+        # this rank's candidates: K values (-inf padded), K ids as floats (-1 padded), max, sumexp
+        pack = vals.new_full((c, 2 * k + 2), float("-inf"))
+        pack[:, :k_local] = vals
+        pack[:, k:2 * k] = -1.0
+        pack[:, k:k + k_local] = (idx + rank * vocab_local).to(pack.dtype)
+        pack[:, 2 * k], pack[:, 2 * k + 1] = row_max, sumexp
+        gathered = all_gather_stack(pack, tp_group)  # [tp, c, 2k + 2]
+        lse = _combine_lse(gathered[..., 2 * k], gathered[..., 2 * k + 1])
+        cand_vals = gathered[..., :k].permute(1, 0, 2).reshape(c, tp * k)
+        cand_ids = gathered[..., k:2 * k].permute(1, 0, 2).reshape(c, tp * k)
+        top_vals, pos = cand_vals.topk(k, dim=-1)
+        ids_out[a:b] = cand_ids.gather(1, pos).long()
+        lps_out[a:b] = (top_vals - lse.unsqueeze(1)).float()
+    return ids_out.view(*lead, k), lps_out.view(*lead, k)
+
+
+@torch.no_grad()
+def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws: int, *,
+                          generator: torch.Generator, tp_group: dist.ProcessGroup | None = None,
+                          vocab_size: int | None = None, temperature: float = 1.0,
+                          chunk_size: int | None = None):
+    """``num_draws`` tokens drawn per position from softmax(hidden·Wᵀ/τ), as (ids int64 [..., N],
+    logprobs float32 [..., N]): the distinct drawn ids (ascending) with log(count / N), then
+    padding (-1, -inf).
+
+    Two stages, so no rank needs the full distribution: every rank splits the N draws of a row
+    over the vocabulary shards by their probability mass (same ``generator`` state on every TP
+    rank, so all agree), then draws its share from its own shard (generator offset by rank).
+    """
+    rank, tp = group_rank(tp_group), group_size(tp_group)
+    vocab_local = weight.shape[0]
+    lead, n = hidden.shape[:-1], num_draws
+    ids_out = torch.empty((*lead, n), dtype=torch.int64, device=hidden.device).view(-1, n)
+    lps_out = torch.empty((*lead, n), dtype=torch.float32, device=hidden.device).view(-1, n)
+    local_gen = torch.Generator(device=hidden.device).manual_seed(int(generator.initial_seed()) + 7919 * (rank + 1))
+    for a, b, z in _logits_chunks(hidden, weight, tp_group=tp_group, vocab_size=vocab_size,
+                                  temperature=temperature, chunk_size=chunk_size):
+        c = b - a
+        row_max, sumexp = _local_max_sumexp_(z)  # z now holds unnormalized local probabilities
+        stats = all_gather_stack(torch.stack([row_max, sumexp], -1), tp_group)  # [tp, c, 2]
+        shard_mass = (stats[..., 1] * (stats[..., 0] - stats[..., 0].amax(0)).exp()).t()  # [c, tp]
+        shard_of_draw = torch.multinomial(shard_mass, n, replacement=True, generator=generator)
+        mine = shard_of_draw == rank  # [c, n]: which of the row's draws this rank makes
+        draws = torch.multinomial(z, n, replacement=True, generator=local_gen) + rank * vocab_local
+        del z
+        local_ids = torch.where(mine, draws, -1).to(torch.float32)
+        all_ids = all_gather_stack(local_ids, tp_group).amax(0)  # exactly one rank owns each draw
+        ids_out[a:b], lps_out[a:b] = _counts_to_logprobs(all_ids.long(), n)
+    return ids_out.view(*lead, n), lps_out.view(*lead, n)
+
+
+def _counts_to_logprobs(draws: torch.Tensor, n: int):
+    """[c, n] drawn ids -> distinct ids (ascending) with log(count / n), padded with -1 / -inf."""
+    sorted_ids, _ = draws.sort(-1)
+    first = torch.ones_like(sorted_ids, dtype=torch.bool)
+    first[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    run = first.long().cumsum(-1) - 1  # index of each draw's distinct id
+    counts = torch.zeros_like(sorted_ids).scatter_add_(1, run, torch.ones_like(sorted_ids))
+    ids = torch.full_like(sorted_ids, -1).scatter_(1, run, sorted_ids)
+    logprobs = torch.where(counts > 0, (counts.float() / n).log(), float("-inf"))
+    return ids, logprobs

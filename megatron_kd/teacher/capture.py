@@ -1,0 +1,96 @@
+"""The teacher pass loop: dataset samples -> teacher hidden states -> top-K (or samples) -> cache.
+
+Every data-parallel rank runs over its own partition's samples (``CacheWriter.pending_samples``,
+in the order its training sampler will consume them), micro-batch by micro-batch; tensor-parallel
+ranks of one model replica run in lockstep and TP rank 0 writes. A killed pass resumes where it
+stopped: the writer skips what is on disk, and sampled mode seeds each micro-batch from its
+first sample index, so re-running yields the same bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from megatron_kd.ops.comm import group_rank, group_size
+from megatron_kd.ops.topk import vocab_parallel_sample, vocab_parallel_topk
+
+
+@dataclass
+class CaptureConfig:
+    topk: int = 100
+    """Entries per token stored (K); in sampled mode the number of draws per token."""
+    mode: Literal["topk", "sampled"] = "topk"
+    temperature: float = 1.0
+    """Temperature of the teacher's softmax at capture."""
+    micro_batch_size: int = 1
+    seed: int = 1234
+    """Seed of sampled mode (combined with each micro-batch's first sample index)."""
+    chunk_size: int | None = None
+    """Tokens per projection chunk (None: automatic)."""
+
+
+def _broadcast_pending(writer, tp_group, device) -> np.ndarray:
+    """TP rank 0 owns the writer; every rank of the replica needs the same list of samples."""
+    if group_size(tp_group) == 1:
+        return writer.pending_samples()
+    if group_rank(tp_group) == 0:
+        pending = torch.as_tensor(writer.pending_samples(), dtype=torch.int64, device=device)
+        n = torch.tensor([len(pending)], dtype=torch.int64, device=device)
+    else:
+        n = torch.zeros(1, dtype=torch.int64, device=device)
+    src = dist.get_global_rank(tp_group, 0)
+    dist.broadcast(n, src, group=tp_group)
+    if group_rank(tp_group) != 0:
+        pending = torch.empty(int(n), dtype=torch.int64, device=device)
+    dist.broadcast(pending, src, group=tp_group)
+    return pending.cpu().numpy()
+
+
+@torch.no_grad()
+def capture_teacher(teacher, dataset, writer, cfg: CaptureConfig, *, device=None, progress: bool = True) -> dict:
+    """Run ``teacher`` over this rank's pending samples of ``dataset`` and write them.
+
+    ``writer`` is the CacheWriter of this DP rank's partition on TP rank 0 (None elsewhere);
+    ``dataset[i]`` returns a dict with "tokens" and "position_ids" (Megatron's GPTDataset).
+    Returns a summary (samples, tokens, seconds, tokens/s, mean teacher mass) for this rank.
+    """
+    tp_group = teacher.tp_group
+    device = device or next(teacher.model.parameters()).device
+    pending = _broadcast_pending(writer, tp_group, device)
+    mbs = cfg.micro_batch_size
+    is_writer = writer is not None
+    bar = tqdm(total=len(pending), unit="sample", desc="teacher pass",
+               disable=not (progress and is_writer and (not dist.is_initialized() or dist.get_rank() == 0)))
+    tokens_done, mass_sum, start = 0, 0.0, time.perf_counter()
+    for i in range(0, len(pending), mbs):
+        samples = pending[i:i + mbs]
+        items = [dataset[int(s)] for s in samples]
+        tokens = torch.stack([torch.as_tensor(x["tokens"]) for x in items]).to(device)
+        position_ids = torch.stack([torch.as_tensor(x["position_ids"]) for x in items]).to(device)
+        hidden, weight = teacher(tokens, position_ids)  # [s, b, h]
+        kw = dict(tp_group=tp_group, vocab_size=teacher.vocab_size, temperature=cfg.temperature,
+                  chunk_size=cfg.chunk_size)
+        if cfg.mode == "topk":
+            ids, lps = vocab_parallel_topk(hidden, weight, cfg.topk, **kw)
+        else:
+            gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + int(samples[0]))
+            ids, lps = vocab_parallel_sample(hidden, weight, cfg.topk, generator=gen, **kw)
+        ids, lps = ids.transpose(0, 1).cpu(), lps.transpose(0, 1).cpu()  # [b, s, K]
+        if is_writer:
+            writer.write(samples, ids, lps)
+        tokens_done += ids.shape[0] * ids.shape[1]
+        mass_sum += float(lps.double().exp().sum())
+        elapsed = time.perf_counter() - start
+        bar.update(len(samples))
+        bar.set_postfix(tok_s=f"{tokens_done / max(elapsed, 1e-9):,.0f}")
+    bar.close()
+    elapsed = time.perf_counter() - start
+    return {"samples": len(pending), "tokens": tokens_done, "seconds": elapsed,
+            "tokens_per_s": tokens_done / max(elapsed, 1e-9), "mean_teacher_mass": mass_sum / max(tokens_done, 1)}

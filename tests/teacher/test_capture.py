@@ -1,0 +1,183 @@
+"""The teacher pass: the cache equals torch.topk of the teacher's own full log-softmax.
+
+1. megatron-core GPT teacher on gloo at TP=1 and TP=2 (padded vocabulary rows excluded)
+2. sampled mode: the draws' empirical distribution matches the teacher's (TP=1 and TP=2)
+3. a pass killed with SIGKILL and re-run ends with a byte-identical store
+4. a tiny transformers causal LM (random weights, built here) gives its own top-K
+"""
+
+import contextlib
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
+from megatron_kd.cache import CacheReader, CacheWriter
+from megatron_kd.megatron.data import ByteTokenizer
+from megatron_kd.ops.topk import vocab_parallel_sample
+from megatron_kd.teacher import CaptureConfig, HFTeacher, MegatronTeacher, capture_teacher
+from tiny_teacher import K, PADDED_VOCAB, SEQ, make_dataset, tiny_model
+
+VOCAB = ByteTokenizer().vocab_size  # 258 real tokens; rows 258..263 are padding
+
+
+def _full_topk(model, dataset, samples, tp_group):
+    """Reference: the model's ordinary forward, logits gathered over TP, log-softmax, topk."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    tokens = torch.stack([dataset[s]["tokens"] for s in samples])
+    pos = torch.stack([dataset[s]["position_ids"] for s in samples])
+    with torch.no_grad():
+        logits = model(tokens, pos, None)  # [b, s, V_local]
+        if tp_group is not None and tp_group.size() > 1:
+            logits = gather_from_tensor_model_parallel_region(logits, group=tp_group)
+    lp = torch.log_softmax(logits[..., :VOCAB].double(), -1)
+    return lp.topk(K, -1)
+
+
+def _capture_worker(rank, world, tmp):
+    with megatron_cpu_patches():
+        group = init_tensor_parallel(world)
+        dataset = make_dataset(tmp)
+        model = tiny_model(world)
+        writer = None
+        if rank == 0:
+            writer = CacheWriter(f"{tmp}/cache", vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=len(dataset),
+                                 rows_per_shard=4)
+        teacher = MegatronTeacher(model, tp_group=group, vocab_size=VOCAB)
+        summary = capture_teacher(teacher, dataset, writer, CaptureConfig(topk=K, micro_batch_size=3, chunk_size=7),
+                                  progress=False)
+        assert summary["samples"] == len(dataset) and summary["tokens"] == len(dataset) * SEQ
+        ref_lp, ref_ids = _full_topk(model, dataset, list(range(len(dataset))), group)
+        if rank == 0:
+            assert writer.close()
+            ids, lps = CacheReader(f"{tmp}/cache").read(range(len(dataset)))
+            # the cache stores entries sorted by id: compare as sorted sets
+            got_ids, order = ids.long().sort(-1)
+            got_lps = lps.gather(-1, order)
+            want_ids, worder = ref_ids.sort(-1)
+            want_lps = ref_lp.gather(-1, worder)
+            assert torch.equal(got_ids, want_ids)
+            assert (got_lps.double() - want_lps).abs().max() <= 1e-5 + 0.5 / 257
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_teacher_cache_equals_full_topk(tmp_path, seed, tp):
+    make_dataset(tmp_path)  # build the index caches once, before the ranks read them
+    spawn(_capture_worker, str(tmp_path), world_size=tp)
+
+
+def _sample_worker(rank, world, seed):
+    with megatron_cpu_patches() if world > 1 else contextlib.nullcontext():
+        group = init_tensor_parallel(world) if world > 1 else None
+        torch.manual_seed(seed)
+        vocab, n_tok, draws = 12, 3000, 16
+        hidden = torch.randn(1, 8, dtype=torch.float64).expand(n_tok, 8)
+        weight = torch.randn(vocab, 8, dtype=torch.float64)
+        shard = weight.chunk(world)[rank]
+        gen = torch.Generator().manual_seed(seed)
+        ids, lps = vocab_parallel_sample(hidden, shard, draws, generator=gen, tp_group=group, chunk_size=500)
+        assert ids.shape == (n_tok, draws)
+        counts = torch.where(ids >= 0, lps.exp(), 0.0) * draws
+        assert torch.allclose(counts.sum(-1), torch.full((n_tok,), float(draws)), atol=1e-4)
+        valid = ids >= 0
+        assert (ids[valid] < vocab).all()
+        emp = torch.zeros(vocab, dtype=torch.float64).scatter_add_(0, ids[valid], lps[valid].exp().double()) / n_tok
+        p = torch.softmax(hidden[0] @ weight.t(), -1)
+        # n_tok·draws = 48,000 draws: binomial std of each frequency <= 0.0023
+        assert (emp - p).abs().max() < 0.012, (emp, p)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sampled_mode_matches_teacher_distribution(seed, tp):
+    if tp == 1:
+        _sample_worker(0, 1, seed)
+    else:
+        spawn(_sample_worker, seed, world_size=2)
+
+
+_KILLABLE_PASS = textwrap.dedent("""
+    import os, sys, time
+    sys.path[:0] = {paths!r}
+    import torch, torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(1)
+    from megatron_kd.cache import CacheWriter
+    from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
+    from tiny_teacher import K, SEQ, make_dataset, tiny_model
+    dataset = make_dataset({tmp!r}, num_samples=16)
+    writer = CacheWriter({path!r}, vocab_size=258, topk=K, seq_length=SEQ, num_samples=16, rows_per_shard=3,
+                         metadata={{"mode": "{mode}"}})
+
+    class Slow:  # a teacher slow enough to be killed mid-pass
+        def __init__(self, t):
+            self.t, self.tp_group, self.vocab_size, self.model = t, t.tp_group, t.vocab_size, t.model
+        def __call__(self, *a):
+            print("batch", flush=True)
+            time.sleep(0.1)
+            return self.t(*a)
+
+    capture_teacher(Slow(MegatronTeacher(tiny_model(1), vocab_size=258)), dataset, writer,
+                    CaptureConfig(topk=K, mode="{mode}", micro_batch_size=2), progress=False)
+    writer.close()
+""")
+
+
+def _run_pass(tmp, path, mode, kill_after=None):
+    from dist_utils import free_port
+
+    here = str(Path(__file__).parent)
+    script = _KILLABLE_PASS.format(paths=[here, str(Path(here).parent)], port=free_port(), tmp=str(tmp),
+                                   path=str(path), mode=mode)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    batches = 0
+    for line in child.stdout:
+        batches += line.startswith("batch")
+        if kill_after is not None and batches == kill_after:
+            child.send_signal(signal.SIGKILL)
+            break
+    child.wait()
+    return child.returncode
+
+
+@pytest.mark.parametrize("mode", ["topk", "sampled"])
+def test_killed_pass_resumes_byte_identical(tmp_path, seed, mode):
+    make_dataset(tmp_path, num_samples=16)
+    assert _run_pass(tmp_path, tmp_path / "ref", mode) == 0
+    assert _run_pass(tmp_path, tmp_path / "resumed", mode, kill_after=5) == -signal.SIGKILL
+    assert not CacheReader(tmp_path / "resumed", allow_incomplete=True).meta.complete
+    assert _run_pass(tmp_path, tmp_path / "resumed", mode) == 0
+
+    def tree(root):
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    assert tree(tmp_path / "resumed") == tree(tmp_path / "ref")
+    assert CacheReader(tmp_path / "ref").meta.mode == mode
+
+
+def test_hf_teacher_cache_equals_its_topk(tmp_path, seed):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    dataset = make_dataset(tmp_path, num_samples=6)
+    teacher = HFTeacher(model)
+    with CacheWriter(tmp_path / "cache", vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=len(dataset),
+                     metadata={"teacher_fingerprint": teacher.fingerprint}) as writer:
+        capture_teacher(teacher, dataset, writer, CaptureConfig(topk=K, micro_batch_size=2), device="cpu",
+                        progress=False)
+    tokens = torch.stack([dataset[s]["tokens"] for s in range(len(dataset))])
+    with torch.no_grad():
+        ref_lp, ref_ids = torch.log_softmax(model(input_ids=tokens).logits.double(), -1).topk(K, -1)
+    ids, lps = CacheReader(tmp_path / "cache").read(range(len(dataset)))
+    got_ids, order = ids.long().sort(-1)
+    want_ids, worder = ref_ids.sort(-1)
+    assert torch.equal(got_ids, want_ids)
+    assert (lps.gather(-1, order).double() - ref_lp.gather(-1, worder)).abs().max() <= 1e-5 + 0.5 / 257
