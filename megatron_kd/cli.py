@@ -1,5 +1,6 @@
 """``megatron-kd``: command-line entry point.
 
+    megatron-kd demo [--quick]                 end-to-end distillation on CPU (teacher, cache, students)
     megatron-kd cache inspect PATH [--json]    summary of a teacher cache
     megatron-kd cache verify PATH              check metadata, completeness and every chunk
 
@@ -36,9 +37,31 @@ def _cmd_cache_verify(args) -> int:
     return 0
 
 
+def _cmd_demo(args) -> int:
+    from dataclasses import fields
+
+    from megatron_kd.demo import DemoConfig, run_demo
+
+    overrides = {f.name: getattr(args, f.name) for f in fields(DemoConfig) if getattr(args, f.name, None) is not None}
+    if args.quick:  # a smoke run (CI): same pipeline, a few steps
+        overrides = {"teacher_steps": 12, "student_steps": 8, "eval_samples": 32, "corpus_bytes": 600_000,
+                     "log_interval": 4, **overrides}
+    run_demo(DemoConfig(**overrides))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_kd.demo import DemoConfig
+
     parser = argparse.ArgumentParser(prog="megatron-kd", description="Offline knowledge distillation for Megatron-Core.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="End-to-end distillation on CPU: corpus, teacher, cache, KD and CE students.")
+    demo.add_argument("--quick", action="store_true", help="A few steps of everything (a smoke test).")
+    for name, default in DemoConfig().__dict__.items():
+        demo.add_argument(f"--{name.replace('_', '-')}", dest=name, type=type(default), default=None,
+                          help=f"(default: {default})")
+    demo.set_defaults(func=_cmd_demo)
 
     cache = commands.add_parser("cache", help="Teacher top-K caches (Zarr v3 stores).")
     cache_cmds = cache.add_subparsers(dest="cache_command", required=True)

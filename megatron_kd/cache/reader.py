@@ -43,6 +43,7 @@ class CacheReader:
         self.ids_dtype = ids_dtype
         self._root = open_root(self.path)
         self._partitions: dict[int, tuple] = {}
+        self._last_chunk = None  # ((rank, first row), (id gaps, codes)) of the last small read
         self._lock = threading.Lock()
 
     @property
@@ -91,6 +92,20 @@ class CacheReader:
             missing = int(np.flatnonzero(~done[r0:r1])[0])
             raise CacheError(f"{self.path / partition_name(rank)}: sample {int(samples[missing])} "
                              f"(row {r0 + missing}) was never written")
+        chunk = ids_arr.chunks[0]
+        if r1 - r0 < chunk:
+            # Small reads (a DataLoader asking sample by sample) decode the whole chunk anyway: keep
+            # the last chunk decoded so its neighbours come from memory.
+            c0 = r0 // chunk * chunk
+            if r1 <= c0 + chunk:
+                key = (rank, c0)
+                if self._last_chunk is None or self._last_chunk[0] != key:
+                    self._last_chunk = (key, self._zarr_rows(rank, ids_arr, lps_arr, c0, min(c0 + chunk, len(done))))
+                ids, lps = self._last_chunk[1]
+                return ids[r0 - c0:r1 - c0], lps[r0 - c0:r1 - c0]
+        return self._zarr_rows(rank, ids_arr, lps_arr, r0, r1)
+
+    def _zarr_rows(self, rank, ids_arr, lps_arr, r0: int, r1: int):
         try:
             return ids_arr[r0:r1], lps_arr[r0:r1]
         except Exception as e:  # zarr / codec errors: truncated or corrupted shard files

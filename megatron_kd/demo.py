@@ -1,0 +1,266 @@
+"""The CPU demo (`megatron-kd demo`): a real offline distillation, end to end, in a few minutes.
+
+1. Corpus: the Python standard library's own source files, read at run time, byte-tokenized into a
+   Megatron indexed dataset (.bin/.idx); megatron-core's GPTDataset splits it (train / held-out).
+2. Teacher: a megatron-core GPTModel trained briefly with cross-entropy.
+3. Teacher pass: the teacher's top-K log-probabilities for every sample the student will see, in
+   the student's sample order, written to a Zarr cache (``capture_teacher``).
+4. Students (smaller GPTModels, same initialization): one distilled from the cache through the fused
+   loss (``KDForwardStep``: the same forward step and loss function as ``megatron-kd train``), one
+   trained with cross-entropy only, for the same steps.
+5. Held-out cross-entropy of all three, a PNG of the loss curves and TensorBoard logs.
+
+megatron.training needs CUDA, so this CPU path drives megatron-core modules with a minimal loop
+(AdamW, cosine schedule); on GPUs the same forward step runs inside megatron.training.pretrain.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_kd.cache import CacheWriter
+from megatron_kd.megatron.args import KDConfig
+from megatron_kd.megatron.data import (
+    ByteTokenizer,
+    build_gpt_datasets,
+    dataset_fingerprint,
+    tokenizer_fingerprint,
+    write_indexed_dataset,
+)
+from megatron_kd.megatron.kd_data import KDDataset
+from megatron_kd.megatron.loss import KDForwardStep
+from megatron_kd.megatron.model import build_gpt_model
+from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
+
+
+@dataclass
+class DemoConfig:
+    workdir: str = "runs/demo"
+    seq_length: int = 128
+    micro_batch_size: int = 16
+    corpus_bytes: int = 2_500_000
+    teacher_layers: int = 4
+    teacher_hidden: int = 128
+    student_layers: int = 2
+    student_hidden: int = 48
+    heads: int = 4
+    teacher_steps: int = 400
+    student_steps: int = 250
+    eval_samples: int = 128
+    lr: float = 3e-3
+    topk: int = 32
+    kd_temperature: float = 1.0
+    kd_tail: str = "ghost"
+    kd_ce_weight: float = 0.0
+    seed: int = 1234
+    log_interval: int = 25
+
+
+def read_corpus(max_bytes: int) -> list[str]:
+    """The standard library's top-level .py files (under 100 KB each), sorted by name, up to ``max_bytes``."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    docs, total = [], 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if len(text) > 100_000:
+            continue
+        if total + len(text) > max_bytes and docs:
+            break
+        docs.append(text)
+        total += len(text)
+    if len(docs) < 20:
+        raise RuntimeError(f"found only {len(docs)} source files under {stdlib}; the demo needs the stdlib sources")
+    return docs
+
+
+def _init_single_process():
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1)
+
+
+def _model(cfg: DemoConfig, layers: int, hidden: int, vocab: int, seed: int):
+    from megatron.core.transformer import TransformerConfig
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=cfg.heads,
+                               use_cpu_initialization=True, params_dtype=torch.float32, attention_dropout=0.0,
+                               hidden_dropout=0.0, normalization="RMSNorm", init_method_std=0.02)
+    # learned absolute positions: megatron-core's rotary embedding moves itself to CUDA
+    return build_gpt_model(config, vocab_size=vocab, max_sequence_length=cfg.seq_length,
+                           position_embedding_type="learned_absolute", use_te=False)
+
+
+def _loader(dataset, batch_size: int):
+    return iter(torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True))
+
+
+def _ce_step(model, batch):
+    """Megatron's own language-model loss: per-token cross-entropy [b, s] from labels."""
+    losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    mask = batch["loss_mask"]
+    return (losses * mask).sum(), mask.sum()
+
+
+def _train(name, model, steps, step_fn, cfg: DemoConfig, writer, log) -> list[tuple[int, float]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    warmup = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) * 0.9 + 0.1)
+    model.train()
+    curve, t0, tokens = [], time.perf_counter(), 0
+    for step in range(1, steps + 1):
+        loss_sum, num_tokens, report = step_fn(model)
+        (loss_sum / num_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        tokens += int(num_tokens)
+        value = loss_sum.item() / float(num_tokens)
+        curve.append((step, value))
+        writer.add_scalar(f"{name}/loss", value, step)
+        for key, (s, n) in report.items():
+            writer.add_scalar(f"{name}/{key}", float(s) / max(float(n), 1.0), step)
+        if step % cfg.log_interval == 0 or step == steps:
+            rate = tokens / (time.perf_counter() - t0)
+            writer.add_scalar(f"{name}/tokens_per_s", rate, step)
+            log(f"  {name:10} step {step:4d}/{steps}  loss {value:.3f}  "
+                + "  ".join(f"{k} {float(s) / max(float(n), 1.0):.3f}" for k, (s, n) in report.items()
+                            if k != "lm loss")
+                + f"  {rate:,.0f} tokens/s")
+    return curve
+
+
+@torch.no_grad()
+def evaluate(model, dataset, batch_size: int) -> float:
+    """Mean held-out cross-entropy per token (nats)."""
+    model.eval()
+    total, count = 0.0, 0.0
+    for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size):
+        loss, n = _ce_step(model, batch)
+        total, count = total + float(loss), count + float(n)
+    model.train()
+    return total / count
+
+
+def _plot(curves: dict, path: Path, table: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, curve in curves.items():
+        steps, values = zip(*curve)
+        ax.plot(steps, values, label=f"{name} (held-out {table[name]:.3f})", linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/token)")
+    ax.set_title("megatron_kd CPU demo: byte-level LMs on the Python standard library")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_demo(cfg: DemoConfig, log=print) -> dict:
+    from torch.utils.tensorboard import SummaryWriter
+
+    start = time.perf_counter()
+    work = Path(cfg.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    _init_single_process()
+    tok = ByteTokenizer()
+    vocab = tok.vocab_size
+
+    docs = read_corpus(cfg.corpus_bytes)
+    prefix = write_indexed_dataset(work / "data" / "stdlib", ([*tok.tokenize(d), tok.eod] for d in docs), vocab)
+    log(f"[1/5] corpus: {len(docs)} standard-library files, {sum(map(len, docs)):,} bytes -> {prefix}.bin/.idx")
+
+    mbs = cfg.micro_batch_size
+    common = dict(split="95,5,0", seq_length=cfg.seq_length, seed=cfg.seed, tokenizer=tok,
+                  cache_dir=str(work / "data" / "index-cache"))
+    teacher_ds, valid_ds, _ = build_gpt_datasets([prefix], num_samples=(cfg.teacher_steps * mbs, cfg.eval_samples, 0),
+                                                 **common)
+    student_ds, _, _ = build_gpt_datasets([prefix], num_samples=(cfg.student_steps * mbs, cfg.eval_samples, 0),
+                                          **common)
+    tb = SummaryWriter(str(work / "tensorboard"))
+
+    teacher = _model(cfg, cfg.teacher_layers, cfg.teacher_hidden, vocab, cfg.seed)
+    n_teacher = sum(p.numel() for p in teacher.parameters())
+    log(f"[2/5] teacher: GPTModel {cfg.teacher_layers} layers x {cfg.teacher_hidden}, {n_teacher:,} parameters, "
+        f"{cfg.teacher_steps} steps of {mbs} x {cfg.seq_length} tokens")
+    batches = _loader(teacher_ds, mbs)
+    curves = {"teacher": _train("teacher", teacher, cfg.teacher_steps,
+                                lambda m: (*_ce_step(m, next(batches)), {}), cfg, tb, log)}
+
+    cache = work / "teacher-cache"
+    teacher_model = MegatronTeacher(teacher.eval(), vocab_size=vocab, fingerprint=f"demo-teacher-{n_teacher}")
+    meta = {"teacher_fingerprint": teacher_model.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
+            "dataset_fingerprint": dataset_fingerprint(student_ds)}
+    if cache.exists():  # a fresh teacher each run: never mix its cache with an earlier one
+        import shutil
+
+        shutil.rmtree(cache)
+    # the samples the student consumes (steps x micro-batch), in its order
+    with CacheWriter(cache, vocab_size=vocab, topk=cfg.topk, seq_length=cfg.seq_length,
+                     num_samples=cfg.student_steps * mbs, micro_batch_size=mbs, metadata=meta) as writer:
+        summary = capture_teacher(teacher_model, student_ds, writer, CaptureConfig(topk=cfg.topk, micro_batch_size=mbs),
+                                  device=torch.device("cpu"), progress=False)
+    log(f"[3/5] teacher pass: {summary['samples']} samples, {summary['tokens']:,} tokens, K={cfg.topk}, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s, mean top-K mass {summary['mean_teacher_mass']:.3f} -> {cache}")
+
+    kd = KDConfig(cache=str(cache), temperature=cfg.kd_temperature, tail=cfg.kd_tail, ce_weight=cfg.kd_ce_weight)
+    student_kd = _model(cfg, cfg.student_layers, cfg.student_hidden, vocab, cfg.seed + 1)
+    n_student = sum(p.numel() for p in student_kd.parameters())
+    log(f"[4/5] students: GPTModel {cfg.student_layers} layers x {cfg.student_hidden}, {n_student:,} parameters, "
+        f"{cfg.student_steps} steps; KD: fused top-{cfg.topk} loss, tail={kd.tail}, T={kd.temperature}, "
+        f"ce_weight={kd.ce_weight}")
+    kd_batches = _loader(KDDataset(student_ds, str(cache), tokenizer=tok, required_samples=cfg.student_steps * mbs),
+                         mbs)
+    forward_step = KDForwardStep(kd, device=torch.device("cpu"))
+
+    def kd_step(model):
+        output, loss_fn = forward_step(kd_batches, model)
+        return loss_fn(output)
+
+    curves["student KD"] = _train("student_kd", student_kd, cfg.student_steps, kd_step, cfg, tb, log)
+    student_ce = _model(cfg, cfg.student_layers, cfg.student_hidden, vocab, cfg.seed + 1)
+    ce_batches = _loader(student_ds, mbs)
+    curves["student CE"] = _train("student_ce", student_ce, cfg.student_steps,
+                                  lambda m: (*_ce_step(m, next(ce_batches)), {}), cfg, tb, log)
+
+    table = {"teacher": evaluate(teacher, valid_ds, mbs), "student KD": evaluate(student_kd, valid_ds, mbs),
+             "student CE": evaluate(student_ce, valid_ds, mbs)}
+    for name, value in table.items():
+        tb.add_scalar(f"heldout/{name.replace(' ', '_')}", value, 0)
+    tb.close()
+    _plot(curves, work / "loss_curves.png", table)
+    elapsed = time.perf_counter() - start
+    log(f"[5/5] held-out cross-entropy on {len(valid_ds)} unseen samples ({len(valid_ds) * cfg.seq_length:,} tokens):")
+    log(f"  {'model':12} {'nats/token':>10} {'bits/byte':>10}")
+    for name, value in table.items():
+        log(f"  {name:12} {value:10.3f} {value / math.log(2):10.3f}")
+    gain = table["student CE"] - table["student KD"]
+    log(f"  distillation gain over CE-only at equal steps: {gain:+.3f} nats/token")
+    log(f"  plot: {work / 'loss_curves.png'}  tensorboard: {work / 'tensorboard'}  ({elapsed:.0f} s)")
+    result = {"heldout": table, "gain": gain, "seconds": elapsed, "config": asdict(cfg),
+              "teacher_pass": summary}
+    (work / "results.json").write_text(json.dumps(result, indent=2))
+    return result

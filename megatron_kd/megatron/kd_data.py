@@ -1,0 +1,109 @@
+"""Joining the teacher cache to a Megatron GPT dataset, and getting KD batches onto every rank.
+
+``KDDataset`` wraps a GPTDataset: item i is the dataset's sample i plus its global index and its
+cached teacher ids / log-probs. Start-up checks the cache against the run (vocabulary, K,
+sequence length, tokenizer and dataset fingerprints) and stops with one clear message on any
+difference. Readers are opened lazily in each process (DataLoader workers prefetch in parallel).
+
+``get_kd_batch`` extends Megatron's ``get_batch_on_this_tp_rank``: TP rank 0 reads the batch and
+broadcasts every tensor to its TP group (Megatron's own broadcast covers only fixed keys), then
+the sequence is split for context parallelism. Only pipeline stages that need a key receive it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_kd.cache import CacheError, CacheReader
+from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
+
+TEACHER_KEYS = ("teacher_ids", "teacher_logprobs")
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", *TEACHER_KEYS)
+
+
+class KDDataset(torch.utils.data.Dataset):
+    def __init__(self, base, cache_path: str, *, tokenizer, vocab_size: int | None = None,
+                 required_samples: int | None = None):
+        self.base = base
+        self.cache_path = str(cache_path)
+        seq_length = base.config.sequence_length
+        self.expect = {
+            "seq_length": seq_length,
+            "dataset_fingerprint": dataset_fingerprint(base),
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+            "vocab_size": int(vocab_size or tokenizer.vocab_size),
+        }
+        try:
+            reader = CacheReader(self.cache_path, expect=self.expect)
+        except CacheError as e:
+            raise CacheError(f"--kd-cache does not match this run: {e}") from None
+        # the samples training will consume (train_iters x global batch), not the whole epoch
+        required = len(base) if required_samples is None else required_samples
+        if reader.meta.num_samples < required:
+            raise CacheError(f"--kd-cache {self.cache_path}: holds {reader.meta.num_samples} samples, this run "
+                             f"consumes {required}; build the cache with the run's --train-iters / batch size")
+        self.meta = reader.meta
+        self._reader, self._pid = reader, os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    @property
+    def reader(self) -> CacheReader:
+        if self._pid != os.getpid():  # a DataLoader worker: zarr handles are not fork-safe
+            self._reader, self._pid = CacheReader(self.cache_path), os.getpid()
+        return self._reader
+
+    def __getitem__(self, idx: int) -> dict:
+        item = dict(self.base[idx])
+        ids, logprobs = self.reader.read(int(idx))
+        item["sample_idx"] = torch.tensor(int(idx))
+        item["teacher_ids"], item["teacher_logprobs"] = ids[0], logprobs[0]
+        return item
+
+
+def get_kd_batch(data_iterator, *, tp_group=None, cp_group=None, device=None, needs_teacher: bool = True) -> dict:
+    """The micro-batch on every rank of the TP group: tokens, labels, loss_mask, position_ids
+    [b, s] and teacher_ids / teacher_logprobs [b, s, K] (on the last pipeline stage)."""
+    device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    keys = BATCH_KEYS if needs_teacher else BATCH_KEYS[:4]
+    if tp == 1 or dist.get_rank(tp_group) == 0:
+        data = next(data_iterator)
+        batch = {k: data[k].to(device, non_blocking=True) for k in keys}
+    if tp > 1:
+        src = dist.get_global_rank(tp_group, 0)
+        if dist.get_rank(tp_group) == 0:
+            b, s = batch["tokens"].shape
+            k = batch["teacher_ids"].shape[-1] if needs_teacher else 0
+            shape = torch.tensor([b, s, k], dtype=torch.int64, device=device)
+        else:
+            shape = torch.empty(3, dtype=torch.int64, device=device)
+        dist.broadcast(shape, src, group=tp_group)
+        b, s, k = (int(x) for x in shape)
+        if dist.get_rank(tp_group) != 0:
+            spec = {"tokens": ((b, s), torch.int64), "labels": ((b, s), torch.int64),
+                    "loss_mask": ((b, s), torch.float32), "position_ids": ((b, s), torch.int64),
+                    "teacher_ids": ((b, s, k), torch.int32), "teacher_logprobs": ((b, s, k), torch.float32)}
+            batch = {key: torch.empty(spec[key][0], dtype=spec[key][1], device=device) for key in keys}
+        for key in keys:
+            batch[key] = batch[key].contiguous()
+            dist.broadcast(batch[key], src, group=tp_group)
+    if cp_group is not None and dist.get_world_size(cp_group) > 1:
+        batch = _split_for_context_parallel(batch, cp_group)
+    return batch
+
+
+def _split_for_context_parallel(batch: dict, cp_group) -> dict:
+    """Megatron's load-balanced CP split (chunks r and 2·cp-1-r of the sequence) for every key."""
+    cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    index = torch.tensor([rank, 2 * cp - rank - 1])
+    out = {}
+    for key, t in batch.items():
+        v = t.view(t.shape[0], 2 * cp, t.shape[1] // (2 * cp), *t.shape[2:])
+        v = v.index_select(1, index.to(t.device))
+        out[key] = v.reshape(t.shape[0], -1, *t.shape[2:])
+    return out

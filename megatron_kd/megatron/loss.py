@@ -1,0 +1,93 @@
+"""The student's loss inside Megatron: GPTModel's ``output_processor`` runs the fused KD loss.
+
+``GPTModel.forward(..., output_processor=kd_output_processor, output_processor_context=ctx)``
+hands us the final hidden states ([s, b, h], sequence-sharded under sequence parallelism) and the
+output layer (its weight is this rank's vocabulary shard, or the shared embedding when tied)
+instead of computing logits; the fused op turns them into the loss and its gradients chunk by
+chunk. ``loss_func`` returns Megatron's (loss_sum, num_tokens, report) triple, reporting KD loss,
+CE loss and teacher mass as [sum, tokens] pairs that Megatron averages over micro-batches and DP.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from megatron_kd.megatron.args import KDConfig
+from megatron_kd.megatron.kd_data import get_kd_batch
+from megatron_kd.ops import fused_topk_kl, topk_kl_reference
+
+
+@dataclass
+class KDContext:
+    config: KDConfig
+    teacher_ids: torch.Tensor  # [b, s, K]
+    teacher_logprobs: torch.Tensor  # [b, s, K]
+
+
+def kd_output_processor(hidden_states, output_layer, output_weight, labels, loss_mask, context: KDContext, **_):
+    """Replaces the output layer + cross-entropy: returns (loss_sum, stats [kd, ce, mass, tokens])."""
+    cfg = context.config
+    weight = output_layer.weight if output_weight is None else output_weight
+    kwargs = dict(
+        loss_mask=loss_mask.t(), labels=labels.t(), kd_weight=cfg.weight, ce_weight=cfg.ce_weight,
+        temperature=cfg.temperature, tail=cfg.tail, tp_group=output_layer.tp_group,
+        sequence_parallel=output_layer.sequence_parallel, chunk_size=cfg.chunk_size, reduction="sum",
+    )
+    if cfg.impl == "fused":
+        # main_grad fusion needs the loss backpropagated with gradient 1: bf16 with per-token loss
+        fuse = getattr(output_layer.config, "calculate_per_token_loss", False) and hasattr(weight, "main_grad") \
+            and weight.dtype == torch.bfloat16
+        loss, stats = fused_topk_kl(hidden_states, weight, context.teacher_ids.transpose(0, 1),
+                                    context.teacher_logprobs.transpose(0, 1), impl=cfg.op_impl,
+                                    gradient_accumulation_fusion=fuse, **kwargs)
+    else:
+        loss, stats = topk_kl_reference(hidden_states, weight, context.teacher_ids.transpose(0, 1),
+                                        context.teacher_logprobs.transpose(0, 1), **kwargs)
+    return loss, torch.stack([stats["kd"], stats["ce"], stats["teacher_mass"], stats["tokens"]]).float()
+
+
+def loss_func(output):
+    """(loss_sum, num_tokens, report) for Megatron's schedules and logging."""
+    loss, stats = output
+    tokens = stats[3]
+    num_tokens = tokens.detach().to(torch.int)
+    pair = lambda x: torch.stack([x.detach().float(), tokens.float()])  # noqa: E731
+    report = {"lm loss": pair(loss), "kd loss": pair(stats[0]), "ce loss": pair(stats[1]),
+              "teacher mass": pair(stats[2])}
+    return loss, num_tokens, report
+
+
+class KDForwardStep:
+    """Megatron ``forward_step_func``: batch (with teacher tensors) -> model -> fused KD loss.
+
+    Used as is by ``megatron-kd train`` (megatron.training.pretrain) and by the CPU demo's loop.
+    Counts tokens and time between calls to report tokens/s.
+    """
+
+    def __init__(self, config: KDConfig, *, tp_group=None, cp_group=None, device=None, is_last_stage=lambda: True):
+        self.config = config
+        self.tp_group, self.cp_group, self.device = tp_group, cp_group, device
+        self.is_last_stage = is_last_stage
+        self.tokens_seen, self._t0 = 0, time.perf_counter()
+
+    def tokens_per_second(self, reset: bool = True) -> float:
+        now = time.perf_counter()
+        rate = self.tokens_seen / max(now - self._t0, 1e-9)
+        if reset:
+            self.tokens_seen, self._t0 = 0, now
+        return rate
+
+    def __call__(self, data_iterator, model):
+        last = self.is_last_stage()
+        batch = get_kd_batch(data_iterator, tp_group=self.tp_group, cp_group=self.cp_group, device=self.device,
+                             needs_teacher=last)
+        self.tokens_seen += batch["tokens"].numel()
+        context = KDContext(self.config, batch.get("teacher_ids"), batch.get("teacher_logprobs")) if last else None
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                       loss_mask=batch["loss_mask"], output_processor=kd_output_processor if last else None,
+                       output_processor_context=context)
+        return output, partial(loss_func)
