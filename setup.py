@@ -26,12 +26,13 @@ setup(
         "numcodecs",
         "numpy",
         "tqdm",
+        "matplotlib",
         "tensorboard",
     ],
     extras_require={
         "hf": ["transformers>=4.50"],
-        "test": ["pytest>=8", "pytest-timeout", "transformers>=4.50", "matplotlib"],
-        "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.50", "matplotlib", "ruff"],
+        "test": ["pytest>=8", "pytest-timeout", "transformers>=4.50"],
+        "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.50", "ruff"],
     },
     entry_points={"console_scripts": ["megatron-kd=megatron_kd.cli:main"]},
 )

@@ -1,6 +1,8 @@
 """``megatron-kd``: command-line entry point.
 
     megatron-kd demo [--quick]                 end-to-end distillation on CPU (teacher, cache, students)
+    megatron-kd train <Megatron-LM flags> --kd-cache PATH ...      student training (GPUs, torchrun)
+    megatron-kd cache build <Megatron-LM flags> --kd-cache PATH ...  teacher pass (GPUs, torchrun)
     megatron-kd cache inspect PATH [--json]    summary of a teacher cache
     megatron-kd cache verify PATH              check metadata, completeness and every chunk
 
@@ -50,6 +52,19 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    from megatron_kd.megatron.train import main as train_main
+
+    train_main(args.megatron_args)
+    return 0
+
+
+def _cmd_cache_build(args) -> int:
+    from megatron_kd.teacher.build import main as build_main
+
+    return build_main(args.megatron_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_kd.demo import DemoConfig
 
@@ -63,8 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
                           help=f"(default: {default})")
     demo.set_defaults(func=_cmd_demo)
 
+    train = commands.add_parser("train", help="Distill a student with megatron.training (GPUs; launch with torchrun). "
+                                              "Takes every Megatron-LM flag plus the --kd-* flags.", add_help=False)
+    train.add_argument("megatron_args", nargs=argparse.REMAINDER)
+    train.set_defaults(func=_cmd_train)
+
     cache = commands.add_parser("cache", help="Teacher top-K caches (Zarr v3 stores).")
     cache_cmds = cache.add_subparsers(dest="cache_command", required=True)
+    p = cache_cmds.add_parser("build", help="Teacher pass (GPUs; launch with torchrun): the student's Megatron-LM data "
+                                            "flags, the teacher's model flags and --load (or --kd-teacher-hf), and "
+                                            "--kd-cache PATH.", add_help=False)
+    p.add_argument("megatron_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_cache_build)
     p = cache_cmds.add_parser("inspect", help="Print samples, tokens, bytes/token, mean teacher mass, K, vocab, fingerprints.")
     p.add_argument("path", help="Path of the cache store.")
     p.add_argument("--json", action="store_true", help="Print the summary as JSON (no progress bar).")

@@ -65,31 +65,33 @@ class KDDataset(torch.utils.data.Dataset):
         return item
 
 
-def get_kd_batch(data_iterator, *, tp_group=None, cp_group=None, device=None, needs_teacher: bool = True) -> dict:
+def get_kd_batch(data_iterator, *, tp_group=None, cp_group=None, device=None) -> dict:
     """The micro-batch on every rank of the TP group: tokens, labels, loss_mask, position_ids
-    [b, s] and teacher_ids / teacher_logprobs [b, s, K] (on the last pipeline stage)."""
+    [b, s], plus teacher_ids / teacher_logprobs [b, s, K] when the dataset carries them
+    (the KD training split; validation splits do not)."""
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
     tp = 1 if tp_group is None else dist.get_world_size(tp_group)
-    keys = BATCH_KEYS if needs_teacher else BATCH_KEYS[:4]
     if tp == 1 or dist.get_rank(tp_group) == 0:
         data = next(data_iterator)
+        keys = BATCH_KEYS if TEACHER_KEYS[0] in data else BATCH_KEYS[:4]
         batch = {k: data[k].to(device, non_blocking=True) for k in keys}
     if tp > 1:
         src = dist.get_global_rank(tp_group, 0)
         if dist.get_rank(tp_group) == 0:
             b, s = batch["tokens"].shape
-            k = batch["teacher_ids"].shape[-1] if needs_teacher else 0
-            shape = torch.tensor([b, s, k], dtype=torch.int64, device=device)
+            k = batch["teacher_ids"].shape[-1] if "teacher_ids" in batch else 0
+            header = torch.tensor([b, s, k], dtype=torch.int64, device=device)
         else:
-            shape = torch.empty(3, dtype=torch.int64, device=device)
-        dist.broadcast(shape, src, group=tp_group)
-        b, s, k = (int(x) for x in shape)
+            header = torch.empty(3, dtype=torch.int64, device=device)
+        dist.broadcast(header, src, group=tp_group)
+        b, s, k = (int(x) for x in header)
         if dist.get_rank(tp_group) != 0:
             spec = {"tokens": ((b, s), torch.int64), "labels": ((b, s), torch.int64),
                     "loss_mask": ((b, s), torch.float32), "position_ids": ((b, s), torch.int64),
                     "teacher_ids": ((b, s, k), torch.int32), "teacher_logprobs": ((b, s, k), torch.float32)}
+            keys = BATCH_KEYS if k else BATCH_KEYS[:4]
             batch = {key: torch.empty(spec[key][0], dtype=spec[key][1], device=device) for key in keys}
-        for key in keys:
+        for key in batch:
             batch[key] = batch[key].contiguous()
             dist.broadcast(batch[key], src, group=tp_group)
     if cp_group is not None and dist.get_world_size(cp_group) > 1:

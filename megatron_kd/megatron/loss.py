@@ -61,17 +61,28 @@ def loss_func(output):
     return loss, num_tokens, report
 
 
+def ce_loss_func(loss_mask, per_token_loss):
+    """Batches without teacher tensors (validation): the student's cross-entropy."""
+    mask = loss_mask.reshape(-1).float()
+    loss = (per_token_loss.reshape(-1).float() * mask).sum()
+    tokens = mask.sum()
+    pair = torch.stack([loss.detach(), tokens])
+    return loss, tokens.detach().to(torch.int), {"lm loss": pair, "ce loss": pair}
+
+
 class KDForwardStep:
     """Megatron ``forward_step_func``: batch (with teacher tensors) -> model -> fused KD loss.
 
     Used as is by ``megatron-kd train`` (megatron.training.pretrain) and by the CPU demo's loop.
-    Counts tokens and time between calls to report tokens/s.
+    Batches without teacher tensors (validation) get the plain cross-entropy. Counts tokens
+    between calls to report tokens/s.
     """
 
-    def __init__(self, config: KDConfig, *, tp_group=None, cp_group=None, device=None, is_last_stage=lambda: True):
+    def __init__(self, config: KDConfig, *, tp_group=None, cp_group=None, device=None,
+                 is_first_stage=lambda: True, is_last_stage=lambda: True):
         self.config = config
         self.tp_group, self.cp_group, self.device = tp_group, cp_group, device
-        self.is_last_stage = is_last_stage
+        self.is_first_stage, self.is_last_stage = is_first_stage, is_last_stage
         self.tokens_seen, self._t0 = 0, time.perf_counter()
 
     def tokens_per_second(self, reset: bool = True) -> float:
@@ -82,12 +93,19 @@ class KDForwardStep:
         return rate
 
     def __call__(self, data_iterator, model):
-        last = self.is_last_stage()
-        batch = get_kd_batch(data_iterator, tp_group=self.tp_group, cp_group=self.cp_group, device=self.device,
-                             needs_teacher=last)
+        first, last = self.is_first_stage(), self.is_last_stage()
+        if not (first or last):  # middle pipeline stages take their input from the previous stage
+            return model(None, None, None), partial(loss_func)
+        batch = get_kd_batch(data_iterator, tp_group=self.tp_group, cp_group=self.cp_group, device=self.device)
         self.tokens_seen += batch["tokens"].numel()
-        context = KDContext(self.config, batch.get("teacher_ids"), batch.get("teacher_logprobs")) if last else None
+        if not last:
+            return model(batch["tokens"], batch["position_ids"], None), partial(loss_func)
+        if "teacher_ids" not in batch:
+            per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                              loss_mask=batch["loss_mask"])
+            return per_token, partial(ce_loss_func, batch["loss_mask"])
+        context = KDContext(self.config, batch["teacher_ids"], batch["teacher_logprobs"])
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                       loss_mask=batch["loss_mask"], output_processor=kd_output_processor if last else None,
+                       loss_mask=batch["loss_mask"], output_processor=kd_output_processor,
                        output_processor_context=context)
         return output, partial(loss_func)

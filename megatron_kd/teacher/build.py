@@ -1,0 +1,129 @@
+"""``megatron-kd cache build``: the teacher pass on GPUs, launched by torchrun with Megatron-LM flags.
+
+    torchrun --nproc-per-node 8 -m megatron_kd.cli cache build \\
+        <the student run's data flags: --data-path --split --seq-length --seed --train-iters
+         --global-batch-size --micro-batch-size --tokenizer-*> \\
+        <the teacher's model flags + --load CKPT, with its own --tensor-model-parallel-size ...> \\
+        --kd-cache PATH --kd-topk 100 [--kd-cache-mode sampled --kd-samples 64] [--kd-teacher-hf DIR]
+
+The datasets are built by the same code and arguments as ``megatron-kd train`` (so sample i is
+the same token window), the teacher is a Megatron GPTModel loaded from ``--load`` (TP, EP; PP=1)
+or a Hugging Face causal LM from ``--kd-teacher-hf``. Each data-parallel rank writes its own
+partition; re-running the same command resumes a killed pass.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_kd.cache import CacheError, CacheWriter
+from megatron_kd.cache.inspect import store_bytes
+from megatron_kd.megatron.args import add_kd_args
+from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
+from megatron_kd.teacher.capture import CaptureConfig, capture_teacher
+from megatron_kd.teacher.sources import HFTeacher, MegatronTeacher
+
+
+def check_teacher_vocab(teacher_vocab: int, tokenizer, *, source: str) -> None:
+    if teacher_vocab < tokenizer.vocab_size:
+        raise CacheError(f"teacher {source} has a vocabulary of {teacher_vocab} tokens, the dataset's tokenizer "
+                         f"{tokenizer.vocab_size}: they are not the same tokenizer")
+
+
+def _hf_teacher(path: str, tokenizer, device) -> HFTeacher:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).to(device)
+    teacher = HFTeacher(model)
+    check_teacher_vocab(teacher.vocab_size, tokenizer, source=path)
+    try:
+        hf_vocab = transformers.AutoTokenizer.from_pretrained(path).get_vocab()
+    except (OSError, ValueError):
+        hf_vocab = None  # no tokenizer files next to the weights: only the size was checked
+    ours = getattr(tokenizer, "vocab", None)
+    if hf_vocab is not None and isinstance(ours, dict) and ours and hf_vocab != dict(ours):
+        raise CacheError(f"teacher {path}: its tokenizer's vocabulary differs from the dataset's tokenizer")
+    teacher.vocab_size = tokenizer.vocab_size
+    return teacher
+
+
+def _megatron_teacher(args, tokenizer) -> MegatronTeacher:
+    from megatron.core import parallel_state
+    from megatron.training.checkpointing import load_checkpoint
+    from megatron.training.training import get_model
+
+    from megatron_kd.megatron.train import model_provider
+
+    if args.pipeline_model_parallel_size > 1:
+        raise CacheError("the teacher pass runs Megatron teachers with --pipeline-model-parallel-size 1 "
+                         "(use tensor / expert parallelism to fit the teacher)")
+    if args.load is None:
+        raise CacheError("the teacher pass needs the teacher checkpoint: --load CKPT_DIR (or --kd-teacher-hf DIR)")
+    model = get_model(model_provider, wrap_with_ddp=False)
+    load_checkpoint(model, None, None, strict=True)
+    check_teacher_vocab(args.padded_vocab_size, tokenizer, source=args.load)
+    fingerprint = f"megatron:{args.load}:layers={args.num_layers}:hidden={args.hidden_size}:iter={args.iteration}"
+    return MegatronTeacher(model[0].eval(), tp_group=parallel_state.get_tensor_model_parallel_group(),
+                           sequence_parallel=args.sequence_parallel, vocab_size=tokenizer.vocab_size,
+                           fingerprint=fingerprint)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron.core import parallel_state
+    from megatron.training import get_args, print_rank_0
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import get_train_valid_test_num_samples
+
+    from megatron_kd.megatron.train import build_datasets, consumed_train_samples
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults={"no_load_optim": True,
+                                                                              "no_load_rng": True})
+    initialize_megatron()
+    args = get_args()
+    if not args.kd_cache:
+        raise CacheError("--kd-cache PATH is required: where to write the teacher cache")
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    # the student's splits; every rank of a model replica reads the samples it feeds the teacher
+    sizes = list(get_train_valid_test_num_samples())
+    (train, _, _), tokenizer = build_datasets(sizes, is_built_on_rank=lambda *a, **k: True)
+    teacher = _hf_teacher(args.kd_teacher_hf, tokenizer, device) if args.kd_teacher_hf \
+        else _megatron_teacher(args, tokenizer)
+
+    mode = args.kd_cache_mode
+    k = (args.kd_samples or args.kd_topk) if mode == "sampled" else args.kd_topk
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    writer = None
+    if parallel_state.get_tensor_model_parallel_rank() == 0:
+        writer = CacheWriter(
+            args.kd_cache, vocab_size=tokenizer.vocab_size, topk=k, seq_length=args.seq_length,
+            num_samples=consumed_train_samples(args), dp_rank=dp_rank, dp_size=dp_size,
+            micro_batch_size=args.micro_batch_size,
+            metadata={"temperature": args.kd_capture_temperature, "mode": mode,
+                      "sampled_draws": k if mode == "sampled" else 0,
+                      "teacher_fingerprint": teacher.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                      "dataset_fingerprint": dataset_fingerprint(train)},
+        )
+    summary = capture_teacher(teacher, train, writer,
+                              CaptureConfig(topk=k, mode=mode, temperature=args.kd_capture_temperature,
+                                            micro_batch_size=args.micro_batch_size, seed=args.seed,
+                                            chunk_size=args.kd_chunk_size), device=device)
+    if writer is not None:
+        writer.close()
+    totals = torch.tensor([summary["samples"], summary["tokens"], summary["mean_teacher_mass"] * summary["tokens"]],
+                          dtype=torch.float64, device=device)
+    if parallel_state.get_tensor_model_parallel_rank() != 0:
+        totals.zero_()  # one count per model replica
+    dist.all_reduce(totals)
+    dist.barrier()
+    samples, tokens, mass = (float(x) for x in totals)
+    print_rank_0(f"teacher cache {args.kd_cache}: {int(samples)} samples, {int(tokens):,} tokens, "
+                 f"{store_bytes(args.kd_cache) / max(tokens, 1):.1f} bytes/token, "
+                 f"mean teacher mass {mass / max(tokens, 1):.4f}, mode {mode}, K={k}")
+    return 0
