@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # train / cache build take Megatron-LM's own flags: hand them over untouched
+    if argv[:1] == ["train"] and argv[1:2] not in (["-h"], ["--help"]):
+        return _cmd_train(argparse.Namespace(megatron_args=argv[1:]))
+    if argv[:2] == ["cache", "build"] and argv[2:3] not in (["-h"], ["--help"]):
+        return _cmd_cache_build(argparse.Namespace(megatron_args=argv[2:]))
     args = build_parser().parse_args(argv)
     from megatron_kd.cache.codec import CacheError
 

@@ -102,7 +102,8 @@ class _LoggedForwardStep(KDForwardStep):
         self.calls = 0
 
     def __call__(self, data_iterator, model):
-        from megatron.training import get_args, get_num_microbatches, get_tensorboard_writer
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+        from megatron.training import get_args, get_tensorboard_writer
 
         out = super().__call__(data_iterator, model)
         self.calls += 1
@@ -145,8 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
+    from megatron_kd.megatron.compat import use_prebuilt_dataset_helpers
+
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    use_prebuilt_dataset_helpers()
     args = parse_and_validate_args(extra_args_provider=add_kd_args)
     KDConfig.from_args(args)  # validate --kd-* before any GPU work
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,

@@ -63,9 +63,9 @@ def _megatron_teacher(args, tokenizer) -> MegatronTeacher:
     if args.load is None:
         raise CacheError("the teacher pass needs the teacher checkpoint: --load CKPT_DIR (or --kd-teacher-hf DIR)")
     model = get_model(model_provider, wrap_with_ddp=False)
-    load_checkpoint(model, None, None, strict=True)
+    iteration, _ = load_checkpoint(model, None, None, strict=True)
     check_teacher_vocab(args.padded_vocab_size, tokenizer, source=args.load)
-    fingerprint = f"megatron:{args.load}:layers={args.num_layers}:hidden={args.hidden_size}:iter={args.iteration}"
+    fingerprint = f"megatron:{args.load}:layers={args.num_layers}:hidden={args.hidden_size}:iter={iteration}"
     return MegatronTeacher(model[0].eval(), tp_group=parallel_state.get_tensor_model_parallel_group(),
                            sequence_parallel=args.sequence_parallel, vocab_size=tokenizer.vocab_size,
                            fingerprint=fingerprint)
@@ -80,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_kd.megatron.train import build_datasets, consumed_train_samples
 
+    from megatron_kd.megatron.compat import use_prebuilt_dataset_helpers
+
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    use_prebuilt_dataset_helpers()
     parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults={"no_load_optim": True,
                                                                               "no_load_rng": True})
     initialize_megatron()
