@@ -21,6 +21,7 @@ from megatron_kd.ops.comm import all_gather_stack, group_rank, group_size
 from megatron_kd.ops.topk_kl_function import accumulation_dtype, auto_chunk_size
 
 _MAX_FLOAT_ID = 1 << 24  # ids travel through the all-gather as exact float32 values
+_TEACHER_BLOCK_BYTES = 4 << 30
 
 
 def _logits_chunks(hidden, weight, *, tp_group, vocab_size, temperature, chunk_size):
@@ -40,8 +41,10 @@ def _logits_chunks(hidden, weight, *, tp_group, vocab_size, temperature, chunk_s
     w = weight if mixed else weight.to(acc)
     start_id = rank * vocab_local
     n_real = max(0, min(vocab_local, vocab_size - start_id))  # this rank's rows that are real tokens
+    # No gradients here, so a larger block than the loss's: per-chunk top-K and launch costs shrink
+    # (measured on an H200 at V=201K: 128-row chunks 67 ms, 2048-row chunks 42 ms per 8K tokens).
     chunk = chunk_size or auto_chunk_size(h2d.shape[0], vocab_local, device=hidden.device, block_dtype=acc,
-                                          gemm_dtype=acc, extra_block=True)
+                                          gemm_dtype=acc, extra_block=True, budget_bytes=_TEACHER_BLOCK_BYTES)
     for a in range(0, h2d.shape[0], chunk):
         b = min(a + chunk, h2d.shape[0])
         z = torch.mm(h2d[a:b], w.t(), out_dtype=acc) if mixed else h2d[a:b].to(acc) @ w.t()

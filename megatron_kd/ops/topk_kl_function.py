@@ -49,6 +49,7 @@ def auto_chunk_size(
     block_dtype: torch.dtype,
     gemm_dtype: torch.dtype,
     extra_block: bool,
+    budget_bytes: int | None = None,
 ) -> int:
     """Tokens per chunk such that the chunk's [c, V_local] buffers fit the block budget.
 
@@ -60,7 +61,7 @@ def auto_chunk_size(
         row_bytes += vocab_local * gemm_dtype.itemsize
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        budget = min(_CUDA_BLOCK_BYTES, free // 8)
+        budget = min(budget_bytes or _CUDA_BLOCK_BYTES, free // 8)
     else:
         budget = _CPU_BLOCK_BYTES
     chunk = max(1, budget // max(row_bytes, 1))
