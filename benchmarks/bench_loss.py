@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import cuda_median_ms  # noqa: E402
 
 SHAPES = {  # name: (tokens, hidden, vocab_local)
     "h4096-v64k-8k": (8192, 4096, 65536),
@@ -103,18 +105,10 @@ def run_one(method, shape, reps):
         step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
+        ms = cuda_median_ms(step, reps=reps, warmup=0)
     except torch.OutOfMemoryError:
         result.update(status="OOM")
         return result
-    ms = statistics.median(times)
     result.update(
         status="ok", ms=ms, tflops=6 * tokens * hidden * vocab / ms / 1e9, peak_gib=peak / GiB,
         over_inputs_grads_gib=(peak - input_bytes - grad_bytes) / GiB,
