@@ -29,6 +29,7 @@ def main():
     p.add_argument("--seq-length", type=int, default=8192)
     p.add_argument("--topk", type=int, default=100)
     p.add_argument("--chunk-sizes", default="0,512,1024,2048", help="0 = automatic")
+    p.add_argument("--breakdown", action="store_true", help="also time the steps of one 2048-token chunk")
     args = p.parse_args()
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -75,6 +76,20 @@ def main():
             overhead = (t_topk - t_proj) / (t_fwd + t_proj)
             print(f"vocab_parallel_topk chunk {chunk or 'auto':>5}  {t_topk:8.1f} ms  overhead over a logits forward "
                   f"{100 * overhead:5.1f}%  max |logprob - fp32 reference| {err:.1e}")
+        if args.breakdown:  # per 2048-token chunk; x4 for the whole sequence
+            hc = hidden.view(-1, h)[:2048]
+            z = torch.mm(hc, weight.t(), out_dtype=torch.float32)
+            zb = z.bfloat16()
+            steps = {
+                "gemm fp32 out": lambda: torch.mm(hc, weight.t(), out_dtype=torch.float32),
+                "topk fp32": lambda: z.topk(args.topk, -1),
+                "topk bf16": lambda: zb.topk(args.topk, -1),
+                "topk fp32 sorted=False": lambda: z.topk(args.topk, -1, sorted=False),
+                "amax": lambda: z.amax(-1),
+                "exp-sum (logsumexp)": lambda: torch.logsumexp(z, -1),
+            }
+            for name, fn in steps.items():
+                print(f"  chunk step {name:24} {median_ms(fn):7.2f} ms")
 
 
 if __name__ == "__main__":
