@@ -7,7 +7,7 @@ difference. Readers are opened lazily in each process (DataLoader workers prefet
 
 ``get_kd_batch`` extends Megatron's ``get_batch_on_this_tp_rank``: TP rank 0 reads the batch and
 broadcasts every tensor to its TP group (Megatron's own broadcast covers only fixed keys), then
-the sequence is split for context parallelism. Only pipeline stages that need a key receive it.
+megatron-core splits the sequence for context parallelism, teacher tensors included.
 """
 
 from __future__ import annotations
@@ -95,17 +95,10 @@ def get_kd_batch(data_iterator, *, tp_group=None, cp_group=None, device=None) ->
             batch[key] = batch[key].contiguous()
             dist.broadcast(batch[key], src, group=tp_group)
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        batch = _split_for_context_parallel(batch, cp_group)
+        # megatron-core's own zigzag split (chunks r and 2·cp-1-r of the sequence), applied to every
+        # key along dim 1, teacher tensors included, so they stay aligned with the tokens
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        batch = get_batch_on_this_cp_rank({**batch, "cu_seqlens": None}, is_hybrid_cp=False, cp_group=cp_group)
+        batch.pop("cu_seqlens")
     return batch
-
-
-def _split_for_context_parallel(batch: dict, cp_group) -> dict:
-    """Megatron's load-balanced CP split (chunks r and 2·cp-1-r of the sequence) for every key."""
-    cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
-    index = torch.tensor([rank, 2 * cp - rank - 1])
-    out = {}
-    for key, t in batch.items():
-        v = t.view(t.shape[0], 2 * cp, t.shape[1] // (2 * cp), *t.shape[2:])
-        v = v.index_select(1, index.to(t.device))
-        out[key] = v.reshape(t.shape[0], -1, *t.shape[2:])
-    return out

@@ -2,7 +2,8 @@
 
 1. one step through GPTModel + KDForwardStep: the fused loss gives the same loss and parameter
    gradients as the dense reference on materialized logits, at TP=1 and TP=2, on gloo
-2. KDDataset returns each sample's own teacher rows, for caches captured with DP 1 and DP 2
+2. KDDataset returns each sample's own teacher rows, for caches captured with DP 1 and DP 2, and
+   the context-parallel split keeps each token's teacher row with it
 3. a cache that does not match the run (vocabulary, sequence length, dataset) stops start-up
 4. the demo pipeline runs end to end (a few steps)
 """
@@ -81,6 +82,35 @@ def _step_worker(rank, world, seed, sequence_parallel):
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_training_step_fused_equals_dense(seed, tp):
     spawn(_step_worker, seed, False, world_size=tp)
+
+
+def _cp_worker(rank, world):
+    from megatron.core import parallel_state
+
+    from megatron_kd.megatron.kd_data import get_kd_batch
+
+    with megatron_cpu_patches():
+        parallel_state.initialize_model_parallel(context_parallel_size=world)
+        b, s = 2, 16
+        tokens = torch.arange(b * s).view(b, s)
+        full = {"tokens": tokens, "labels": tokens + 1, "loss_mask": torch.ones(b, s),
+                "position_ids": torch.arange(s).expand(b, s),
+                "teacher_ids": tokens[..., None].expand(b, s, K).int().contiguous(),  # row t carries token t
+                "teacher_logprobs": tokens[..., None].expand(b, s, K).float().contiguous()}
+        got = get_kd_batch(iter([full]), cp_group=parallel_state.get_context_parallel_group(),
+                           device=torch.device("cpu"))
+        chunk = s // (2 * world)
+        expect = torch.cat([tokens[:, rank * chunk:(rank + 1) * chunk],
+                            tokens[:, (2 * world - 1 - rank) * chunk:(2 * world - rank) * chunk]], 1)
+        assert torch.equal(got["tokens"], expect)
+        assert torch.equal(got["position_ids"][0], expect[0])  # row 0 of tokens is 0..s-1, the positions
+        for key in ("teacher_ids", "teacher_logprobs"):
+            assert got[key].shape == (b, 2 * chunk, K)
+            assert torch.equal(got[key][..., 0].long(), expect)  # teacher rows follow their tokens
+
+
+def test_context_parallel_split_keeps_teacher_rows_with_tokens(seed):
+    spawn(_cp_worker, world_size=2)
 
 
 def _write_cache(path, dataset, dp_size, mbs, n):
