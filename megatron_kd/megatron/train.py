@@ -1,8 +1,8 @@
-"""``megatron-kd train`` / ``python -m megatron_kd.megatron.train``: a Megatron-LM GPT pretraining run
+"""``megatron-kd train`` / ``python -m megatron_kd.train``: a Megatron-LM GPT pretraining run
 that distills from a teacher cache. Launch with torchrun; every usual Megatron-LM flag works, plus
 ``--kd-*`` (see ``args.py``). Without ``--kd-cache`` it is plain cross-entropy pretraining.
 
-    torchrun --nproc-per-node 8 -m megatron_kd.megatron.train <Megatron-LM flags> --kd-cache PATH ...
+    torchrun --nproc-per-node 8 -m megatron_kd.train <Megatron-LM flags> --kd-cache PATH ...
 
 Pieces (megatron.training.pretrain's hooks): ``model_provider`` (GPTModel; TE layer spec when
 transformer-engine is importable, local spec with SDPA attention otherwise), ``datasets_provider``
