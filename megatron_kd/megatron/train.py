@@ -140,10 +140,9 @@ def _forward_step_impl():
     return _FORWARD
 
 
-def main(argv: list[str] | None = None) -> None:
-    from megatron.core.enums import ModelType
-    from megatron.training import pretrain
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = None):
+    """Megatron-LM's argument parsing (global args, tokenizer) with the --kd-* group added; shared
+    by ``megatron-kd train`` and ``megatron-kd cache build``."""
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_kd.megatron.compat import use_prebuilt_dataset_helpers
@@ -151,8 +150,17 @@ def main(argv: list[str] | None = None) -> None:
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     use_prebuilt_dataset_helpers()
-    args = parse_and_validate_args(extra_args_provider=add_kd_args)
+    args = parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults=args_defaults or {})
     KDConfig.from_args(args)  # validate --kd-* before any GPU work
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    args = parse_megatron_args(argv)
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider=partial(model_provider))
 

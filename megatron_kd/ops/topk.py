@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.ops.comm import all_gather_stack, group_rank, group_size
-from megatron_kd.ops.topk_kl_function import accumulation_dtype, auto_chunk_size
+from megatron_kd.ops.topk_kl_function import accumulation_dtype, auto_chunk_size, chunk_logits, mixed_gemms
 
 _MAX_FLOAT_ID = 1 << 24  # ids travel through the all-gather as exact float32 values
 _TEACHER_BLOCK_BYTES = 4 << 30
@@ -37,8 +37,7 @@ def _logits_chunks(hidden, weight, *, tp_group, vocab_size, temperature, chunk_s
         raise ValueError(f"hidden [..., {hidden.shape[-1]}] does not match weight [V_local, {weight.shape[1]}]")
     acc = accumulation_dtype(hidden.dtype)
     h2d = hidden.reshape(-1, hidden.shape[-1])
-    mixed = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
-    w = weight if mixed else weight.to(acc)
+    w = weight if mixed_gemms(hidden) else weight.to(acc)
     start_id = rank * vocab_local
     n_real = max(0, min(vocab_local, vocab_size - start_id))  # this rank's rows that are real tokens
     # No gradients here, so a larger block than the loss's: per-chunk top-K and launch costs shrink
@@ -47,7 +46,7 @@ def _logits_chunks(hidden, weight, *, tp_group, vocab_size, temperature, chunk_s
                                           gemm_dtype=acc, extra_block=True, budget_bytes=_TEACHER_BLOCK_BYTES)
     for a in range(0, h2d.shape[0], chunk):
         b = min(a + chunk, h2d.shape[0])
-        z = torch.mm(h2d[a:b], w.t(), out_dtype=acc) if mixed else h2d[a:b].to(acc) @ w.t()
+        z = chunk_logits(h2d[a:b].to(w.dtype), w, acc)
         if temperature != 1.0:
             z.mul_(1.0 / temperature)
         z[:, n_real:] = float("-inf")

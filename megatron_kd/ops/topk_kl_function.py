@@ -70,10 +70,18 @@ def auto_chunk_size(
     return int(max(1, min(chunk, num_tokens)))
 
 
-def _mixed_gemms(t: torch.Tensor) -> bool:
+def mixed_gemms(t: torch.Tensor) -> bool:
     # cuBLAS multiplies bf16/fp16 operands into fp32 outputs; CPU kernels cannot (no out_dtype),
     # so there everything runs in the accumulation dtype on upcast operands.
     return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def chunk_logits(h_chunk: torch.Tensor, w_gemm: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """[c, h] · [V_local, h]ᵀ -> [c, V_local] in the accumulation dtype: one mixed-precision GEMM
+    on CUDA, or a plain GEMM of operands already in ``acc`` (see ``mixed_gemms``)."""
+    if h_chunk.dtype != acc:
+        return torch.mm(h_chunk, w_gemm.t(), out_dtype=acc)
+    return h_chunk @ w_gemm.t()
 
 
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -97,7 +105,7 @@ def topk_kl_forward(
     rank = group_rank(group)
     tau = float(opts.temperature)
     acc = accumulation_dtype(hidden.dtype)
-    mixed = _mixed_gemms(hidden)
+    mixed = mixed_gemms(hidden)
     has_labels = labels is not None
     fuse_main_grad = need_grad_weight and opts.gradient_accumulation_fusion
 
@@ -140,10 +148,7 @@ def topk_kl_forward(
         end = min(start + chunk, num_tokens)
         h_c = h2d[start:end]
         h_c_gemm = h_c if mixed else h_c.to(acc)
-        if mixed:
-            block = torch.mm(h_c, weight.t(), out_dtype=acc)
-        else:
-            block = h_c_gemm @ w_gemm.t()
+        block = chunk_logits(h_c_gemm, w_gemm, acc)
 
         teacher = chunk_math.teacher_terms(
             ids2d[start:end], lps2d[start:end], tail=opts.tail, temperature=tau,

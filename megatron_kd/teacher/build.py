@@ -14,14 +14,11 @@ partition; re-running the same command resumes a killed pass.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.distributed as dist
 
 from megatron_kd.cache import CacheError, CacheWriter
 from megatron_kd.cache.inspect import store_bytes
-from megatron_kd.megatron.args import add_kd_args
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 from megatron_kd.teacher.capture import CaptureConfig, capture_teacher
 from megatron_kd.teacher.sources import HFTeacher, MegatronTeacher
@@ -73,22 +70,14 @@ def _megatron_teacher(args, tokenizer) -> MegatronTeacher:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron.core import parallel_state
-    from megatron.training import get_args, print_rank_0
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training import print_rank_0
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import get_train_valid_test_num_samples
 
-    from megatron_kd.megatron.train import build_datasets, consumed_train_samples
+    from megatron_kd.megatron.train import build_datasets, consumed_train_samples, parse_megatron_args
 
-    from megatron_kd.megatron.compat import use_prebuilt_dataset_helpers
-
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    use_prebuilt_dataset_helpers()
-    parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults={"no_load_optim": True,
-                                                                              "no_load_rng": True})
+    args = parse_megatron_args(argv, {"no_load_optim": True, "no_load_rng": True})
     initialize_megatron()
-    args = get_args()
     if not args.kd_cache:
         raise CacheError("--kd-cache PATH is required: where to write the teacher cache")
     device = torch.device("cuda", torch.cuda.current_device())
