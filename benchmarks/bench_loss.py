@@ -1,18 +1,50 @@
-"""Speed and memory of the output-layer distillation loss, forward + backward, on one CUDA device.
+"""Speed and memory of the output-layer distillation loss, forward + backward, on CUDA.
 
 Every (method, shape) runs in a fresh process so peak-memory numbers do not leak between runs.
+Every method except floor and liger-flce computes the same loss: top-K KL, tail="none", τ = 1,
+sum over tokens, K = 100, from bf16 hidden [T, h] and weight [V, h], teacher ids [T, K] int64 and
+logprobs [T, K] fp32.
 
-    python benchmarks/bench_loss.py                                  # all methods x shapes
-    python benchmarks/bench_loss.py --methods floor,ours --shapes gptoss-32k --out results.csv
+    python benchmarks/bench_loss.py --check                          # correctness of the KL methods (CPU ok)
+    python benchmarks/bench_loss.py                                  # all methods x shapes, one GPU
+    python benchmarks/bench_loss.py --methods floor,ours-triton --shapes gptoss-32k --out results.csv
+    python benchmarks/bench_loss.py --methods ours-triton --shapes gptoss-32k --chunk-size 512
+    python benchmarks/bench_loss.py --tp 2 --shapes gptoss-32k,h4096-v64k-32k
+    python benchmarks/bench_loss.py --methods ours-torch,ours-triton,ours-triton-main-grad \\
+        --shapes gptoss-32k-half,h4096-v32k-32k                     # the same per-rank V at --tp 1
 
 Methods:
-    floor          the three bf16 GEMMs alone (logits, grad_hidden, grad_weight): the physical floor
-    dense          topk_kl_reference: full fp32 logits, autograd (what a materializing loss does)
-    ours           fused_topk_kl, impl="torch", weight grad into a fresh fp32 accumulator
-    ours-main-grad fused_topk_kl with gradient_accumulation_fusion into an fp32 main_grad (Megatron DDP)
+    floor                  the three bf16 GEMMs alone (logits, grad_hidden, grad_weight): the physical floor
+    dense                  topk_kl_reference: full fp32 logits, autograd (what a materializing loss does)
+    forward-chunked        bf16 logits [T, V] kept; loss per token chunk under torch.utils.checkpoint
+    recompute-fused        logits never kept: lse pass, loss pass, backward pass (loss_baselines.py)
+    liger-flce             Liger-Kernel fused linear cross-entropy on random labels (CE, not KL), fp32
+                           weight-grad accumulation: speed of a tuned fused head ("unavailable" if not
+                           importable)
+    ours-torch             fused_topk_kl(impl="torch"), weight grad into a fresh fp32 accumulator
+    ours-torch-main-grad   the same with gradient_accumulation_fusion into an fp32 main_grad (Megatron DDP)
+    ours-triton            fused_topk_kl(impl="triton")
+    ours-triton-main-grad  fused_topk_kl(impl="triton", gradient_accumulation_fusion=True)
 
-Reported: median ms of forward+backward, TFLOP/s counted as 6·T·h·V, peak memory, and peak minus
-the memory of inputs + gradients (hidden, weight, teacher ids/logprobs, their gradients).
+Shapes (tokens, hidden, vocab):
+    h4096-v64k-8k / -32k / -128k / -256k   8192 / 32768 / 131072 / 262144 tokens, h 4096, V 65536
+    gptoss-32k                             32768, 2880, 201088 (GPT-OSS)
+    gptoss-32k-half, h4096-v32k-32k        V halved: the per-rank work of gptoss-32k, h4096-v64k-32k at --tp 2
+
+Flags:
+    --chunk-size N   tokens per chunk for ours-*, recompute-fused and forward-chunked (default: each
+                     method picks its own; ≤ 256 MiB fp32 logits block for the baselines)
+    --tp N           ours-* methods only: N processes (NCCL, one GPU each) on the same tokens, each
+                     with its own V/N rows of the weight, tp_group = the world group; the row reports
+                     the max over ranks of each rank's median ms and of its peak memory
+    --check          runs every KL method on a tiny float32 problem on this machine's device and
+                     checks loss and both gradients against topk_kl_reference in float64 (1e-4
+                     relative norm error); ours-triton* only on CUDA (or with TRITON_INTERPRET=1)
+    --reps N, --out FILE.csv
+
+Reported: median ms of forward+backward, TFLOP/s per GPU counted as 6·T·h·V_local, peak memory,
+and peak minus the memory of inputs + gradients (hidden, weight, teacher ids/logprobs, their
+gradients; for *-main-grad the weight gradient is the fp32 main_grad).
 """
 
 from __future__ import annotations
@@ -20,86 +52,133 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
+import socket
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import cuda_median_ms  # noqa: E402
 
-SHAPES = {  # name: (tokens, hidden, vocab_local)
+SHAPES = {  # name: (tokens, hidden, vocab)
     "h4096-v64k-8k": (8192, 4096, 65536),
     "h4096-v64k-32k": (32768, 4096, 65536),
+    "h4096-v64k-128k": (131072, 4096, 65536),
+    "h4096-v64k-256k": (262144, 4096, 65536),
     "gptoss-32k": (32768, 2880, 201088),
+    "gptoss-32k-half": (32768, 2880, 100544),
+    "h4096-v32k-32k": (32768, 4096, 32768),
 }
-METHODS = ("floor", "dense", "ours", "ours-main-grad")
+KL_METHODS = (
+    "dense", "forward-chunked", "recompute-fused",
+    "ours-torch", "ours-torch-main-grad", "ours-triton", "ours-triton-main-grad",
+)
+METHODS = ("floor", *KL_METHODS[:3], "liger-flce", *KL_METHODS[3:])
+TP_METHODS = tuple(m for m in METHODS if m.startswith("ours-"))
 TOPK = 100
 GiB = 2**30
 
 
-def _inputs(tokens, hidden, vocab, device):
+class Unavailable(Exception):
+    pass
+
+
+def _inputs(tokens, hidden, vocab, device, *, topk=TOPK, dtype=None, tp=1, rank=0):
+    """hidden, this rank's weight rows [vocab/tp, hidden], global teacher ids and logprobs."""
     import torch
 
-    g = torch.Generator(device=device).manual_seed(0)
-    h = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=g)
-    w = (torch.randn(vocab, hidden, device=device, generator=g) / hidden**0.5).bfloat16()
-    ids = torch.randint(0, vocab, (tokens, TOPK), device=device, generator=g)
+    dtype = dtype or torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)  # same tokens on every rank
+    h = torch.randn(tokens, hidden, device=device, generator=g).to(dtype)
+    ids = torch.randint(0, vocab, (tokens, topk), device=device, generator=g)
     # teacher-like: the K entries hold ~90% of the mass
-    lps = torch.log_softmax(torch.randn(tokens, TOPK, device=device, generator=g) * 2, -1) + torch.log(
+    lps = torch.log_softmax(torch.randn(tokens, topk, device=device, generator=g) * 2, -1) + torch.log(
         torch.tensor(0.9, device=device)
     )
+    gw = torch.Generator(device=device).manual_seed(1 + rank)
+    w = (torch.randn(vocab // tp, hidden, device=device, generator=gw) / hidden**0.5).to(dtype)
     return h, w, ids, lps
 
 
-def _step_fn(method, h, w, ids, lps):
+def _leaves(h, w, method):
+    """Leaf hidden and weight parameter; *-main-grad weights carry Megatron DDP's fp32 main_grad."""
     import torch
+
+    hp, wp = h.requires_grad_(), torch.nn.Parameter(w)
+    if method.endswith("-main-grad"):
+        wp.main_grad = torch.zeros(wp.shape, dtype=torch.float32, device=wp.device)
+        wp.grad_added_to_main_grad = False
+    return hp, wp
+
+
+def _kl_fn(method, chunk_size, tp_group):
+    """(hidden, weight, ids, logprobs) -> loss, for the KL methods."""
+    import loss_baselines
 
     from megatron_kd.ops import fused_topk_kl, topk_kl_reference
 
-    hp = h.requires_grad_()
-    wp = torch.nn.Parameter(w)
-    grad_bytes = hp.numel() * 2 + wp.numel() * 2
+    if method == "dense":
+        return lambda *args: topk_kl_reference(*args)[0]
+    if method == "forward-chunked":
+        return partial(loss_baselines.forward_chunked_kl, chunk_size=chunk_size)
+    if method == "recompute-fused":
+        return partial(loss_baselines.recompute_fused_kl, chunk_size=chunk_size)
+    if method.startswith("ours-"):
+        kwargs = dict(impl=method.split("-")[1], chunk_size=chunk_size, tp_group=tp_group,
+                      gradient_accumulation_fusion=method.endswith("-main-grad"))
+        return lambda *args: fused_topk_kl(*args, **kwargs)[0]
+    raise ValueError(method)
+
+
+def _step_fn(method, hp, wp, ids, lps, chunk_size=None, tp_group=None):
+    """One forward+backward of ``method``, and the bytes of the gradients it leaves."""
+    import torch
+
+    wgrad = getattr(wp, "main_grad", wp)
+    grad_bytes = hp.numel() * hp.element_size() + wgrad.numel() * wgrad.element_size()
     if method == "floor":
-        def step():
-            logits = hp.detach() @ wp.detach().t()
-            gh = logits @ wp.detach()
-            gw = logits.t() @ hp.detach()
-            return gh, gw
-    elif method in ("ours", "dense"):
-        fn = fused_topk_kl if method == "ours" else topk_kl_reference
+        h, w = hp.detach(), wp.detach()
 
         def step():
-            hp.grad = wp.grad = None
-            loss, _ = fn(hp, wp, ids, lps, impl="torch") if method == "ours" else fn(hp, wp, ids, lps)
-            loss.backward()
-            return loss
-    elif method == "ours-main-grad":
-        wp.main_grad = torch.zeros(wp.shape, dtype=torch.float32, device=wp.device)
-        wp.grad_added_to_main_grad = False
-        grad_bytes = hp.numel() * 2 + wp.main_grad.numel() * 4
+            logits = h @ w.t()
+            return logits @ w, logits.t() @ h
+        return step, grad_bytes
 
-        def step():
-            hp.grad = wp.grad = None
-            loss, _ = fused_topk_kl(hp, wp, ids, lps, gradient_accumulation_fusion=True)
-            loss.backward()
-            return loss
+    if method == "liger-flce":
+        try:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        except Exception as e:  # not installed, or no Triton/GPU to import it with
+            raise Unavailable(f"{type(e).__name__}: {e}") from e
+        g = torch.Generator(device=hp.device).manual_seed(2)
+        labels = torch.randint(0, wp.shape[0], (hp.shape[0],), device=hp.device, generator=g)
+
+        def loss_fn(h, w, _ids, _lps):
+            return liger_fused_linear_cross_entropy(h, w, labels, reduction="sum", accum_dtype=torch.float32)
     else:
-        raise ValueError(method)
+        loss_fn = _kl_fn(method, chunk_size, tp_group)
+
+    def step():
+        hp.grad = wp.grad = None
+        loss = loss_fn(hp, wp, ids, lps)
+        loss.backward()
+        return loss
     return step, grad_bytes
 
 
-def run_one(method, shape, reps):
+def _measure(method, tokens, hidden, vocab, reps, chunk_size, device, tp_group=None, tp=1, rank=0):
     import torch
 
-    tokens, hidden, vocab = SHAPES[shape]
-    dev = torch.device("cuda")
-    h, w, ids, lps = _inputs(tokens, hidden, vocab, dev)
+    h, w, ids, lps = _inputs(tokens, hidden, vocab, device, tp=tp, rank=rank)
     input_bytes = sum(t.numel() * t.element_size() for t in (h, w, ids, lps))
-    step, grad_bytes = _step_fn(method, h, w, ids, lps)
-    result = dict(method=method, shape=shape, tokens=tokens, hidden=hidden, vocab=vocab)
+    hp, wp = _leaves(h, w, method)
     try:
-        step()  # warm-up (allocator, cuBLAS handles)
-        h.grad = None
+        step, grad_bytes = _step_fn(method, hp, wp, ids, lps, chunk_size, tp_group)
+    except Unavailable as e:
+        return dict(status="unavailable", error=str(e))
+    try:
+        step()  # warm-up (allocator, cuBLAS handles, Triton autotuning)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         step()
@@ -107,37 +186,143 @@ def run_one(method, shape, reps):
         peak = torch.cuda.max_memory_allocated()
         ms = cuda_median_ms(step, reps=reps, warmup=0)
     except torch.OutOfMemoryError:
-        result.update(status="OOM")
-        return result
-    result.update(
-        status="ok", ms=ms, tflops=6 * tokens * hidden * vocab / ms / 1e9, peak_gib=peak / GiB,
+        return dict(status="OOM")
+    return dict(
+        status="ok", ms=ms, tflops=6 * tokens * hidden * (vocab // tp) / ms / 1e9, peak_gib=peak / GiB,
         over_inputs_grads_gib=(peak - input_bytes - grad_bytes) / GiB,
         inputs_grads_gib=(input_bytes + grad_bytes) / GiB,
     )
-    return result
+
+
+def _tp_rank(rank, tp, port, results, *args):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", rank=rank, world_size=tp, device_id=device)
+    row = _measure(*args, device, dist.group.WORLD, tp, rank)
+    results.put(dict(row, rank=rank))  # SimpleQueue: written before put returns
+    if row["status"] != "ok":
+        # Peers may wait in a collective forever; a rank exiting with an error makes spawn end them.
+        os._exit(1)
+    dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _run_tp(method, tokens, hidden, vocab, reps, chunk_size, tp):
+    import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
+
+    results = mp.get_context("spawn").SimpleQueue()
+    args = (tp, _free_port(), results, method, tokens, hidden, vocab, reps, chunk_size)
+    failure = None
+    try:
+        mp.spawn(_tp_rank, args=args, nprocs=tp)
+    except ProcessException as e:
+        failure = e
+    ranks = []
+    while not results.empty():
+        ranks.append(results.get())
+    ranks.sort(key=lambda r: r["rank"])
+    bad = [r for r in ranks if r["status"] != "ok"]
+    if bad:  # OOM or unavailable on some rank: that is the row's result
+        return {k: v for k, v in bad[0].items() if k != "rank"}
+    if failure is not None or len(ranks) != tp:
+        raise RuntimeError(f"tp={tp} run failed") from failure
+    ms = max(r["ms"] for r in ranks)
+    return dict(
+        status="ok", ms=ms, tflops=6 * tokens * hidden * (vocab // tp) / ms / 1e9,
+        peak_gib=max(r["peak_gib"] for r in ranks),
+        over_inputs_grads_gib=max(r["over_inputs_grads_gib"] for r in ranks),
+        inputs_grads_gib=ranks[0]["inputs_grads_gib"], ms_per_rank=[round(r["ms"], 3) for r in ranks],
+    )
+
+
+def run_one(method, shape, reps, chunk_size=None, tp=1):
+    import torch
+
+    tokens, hidden, vocab = SHAPES[shape]
+    row = dict(method=method, shape=shape, tokens=tokens, hidden=hidden, vocab=vocab,
+               vocab_local=vocab // tp, tp=tp, chunk_size=chunk_size)
+    if tp == 1:
+        row.update(_measure(method, tokens, hidden, vocab, reps, chunk_size, torch.device("cuda")))
+    elif method not in TP_METHODS:
+        row.update(status=f"unsupported at tp>1 (only {', '.join(TP_METHODS)})")
+    else:
+        assert vocab % tp == 0, f"vocab {vocab} of {shape} does not split over tp={tp}"
+        row.update(_run_tp(method, tokens, hidden, vocab, reps, chunk_size, tp))
+    return row
+
+
+def check(chunk_size=None, tol=1e-4):
+    """Loss, grad_hidden and grad_weight of every KL method against the float64 reference."""
+    import torch
+
+    from megatron_kd.ops import topk_kl_reference
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    h, w, ids, lps = _inputs(64, 32, 256, dev, topk=8, dtype=torch.float32)
+    ref_h, ref_w = h.double().requires_grad_(), w.double().requires_grad_()
+    ref, _ = topk_kl_reference(ref_h, ref_w, ids, lps)
+    ref.backward()
+    ref = ref.detach()
+    triton_ok = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    failed = []
+    for method in KL_METHODS:
+        if "triton" in method and not triton_ok:
+            print(f"check {method:22} skipped (no CUDA)")
+            continue
+        hp, wp = _leaves(h.clone(), w.clone(), method)
+        # 24 tokens by default: several chunks and a ragged last one
+        step, _ = _step_fn(method, hp, wp, ids, lps, chunk_size=chunk_size or 24)
+        loss = step()
+        pairs = (("loss", loss, ref), ("grad_hidden", hp.grad, ref_h.grad),
+                 ("grad_weight", getattr(wp, "main_grad", wp.grad), ref_w.grad))
+        errs = {name: float((x.detach().double() - r).norm() / r.norm()) for name, x, r in pairs}
+        ok = all(e <= tol for e in errs.values())
+        failed += [] if ok else [method]
+        print(f"check {method:22} " + "  ".join(f"{k} {v:.1e}" for k, v in errs.items()) + ("  ok" if ok else "  FAIL"))
+    if failed:
+        raise SystemExit(f"check failed (relative error > {tol}): {', '.join(failed)}")
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=None, help="comma-separated (default: all; at --tp > 1 the ours-* ones)")
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default: each method's own)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes, one GPU each (ours-* methods)")
+    p.add_argument("--check", action="store_true", help="correctness of the KL methods on a tiny problem")
     p.add_argument("--out", type=Path, default=None, help="CSV file for the results")
     p.add_argument("--one", nargs=2, metavar=("METHOD", "SHAPE"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.check:
+        check(args.chunk_size)
+        return
     if args.one:
-        print(json.dumps(run_one(*args.one, args.reps)))
+        print(json.dumps(run_one(*args.one, args.reps, args.chunk_size, args.tp)))
         return
 
+    methods = args.methods.split(",") if args.methods else (METHODS if args.tp == 1 else TP_METHODS)
+    extra = ["--reps", str(args.reps), "--tp", str(args.tp)]
+    if args.chunk_size:
+        extra += ["--chunk-size", str(args.chunk_size)]
     rows = []
     for shape in args.shapes.split(","):
-        for method in args.methods.split(","):
-            proc = subprocess.run(
-                [sys.executable, __file__, "--one", method, shape, "--reps", str(args.reps)],
-                capture_output=True, text=True,
-            )
+        for method in methods:
+            proc = subprocess.run([sys.executable, __file__, "--one", method, shape, *extra],
+                                  capture_output=True, text=True)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            row = json.loads(lines[-1]) if lines else dict(method=method, shape=shape, status="error")
+            row = json.loads(lines[-1]) if lines else dict(
+                method=method, shape=shape, tp=args.tp, chunk_size=args.chunk_size, status="error")
             if not lines:
                 print(proc.stderr[-3000:], file=sys.stderr)
             rows.append(row)
@@ -145,15 +330,17 @@ def main():
     if args.out:
         keys = sorted({k for r in rows for k in r})
         with args.out.open("w", newline="") as f:
-            csv.DictWriter(f, keys).writeheader()
-            csv.DictWriter(f, keys).writerows(rows)
-    print(f"\n{'shape':16} {'method':15} {'ms':>9} {'TFLOP/s':>8} {'peak GiB':>9} {'over in+grad GiB':>17}")
+            writer = csv.DictWriter(f, keys)
+            writer.writeheader()
+            writer.writerows(rows)
+    print(f"\n{'shape':16} {'method':22} {'tp':>2} {'chunk':>6} {'ms':>9} {'TFLOP/s':>8} {'peak GiB':>9} "
+          f"{'over in+grad GiB':>17}")
     for r in rows:
+        head = f"{r['shape']:16} {r['method']:22} {r.get('tp', 1):>2} {r.get('chunk_size') or 'auto':>6}"
         if r.get("status") == "ok":
-            print(f"{r['shape']:16} {r['method']:15} {r['ms']:9.1f} {r['tflops']:8.0f} {r['peak_gib']:9.2f} "
-                  f"{r['over_inputs_grads_gib']:17.2f}")
+            print(f"{head} {r['ms']:9.1f} {r['tflops']:8.0f} {r['peak_gib']:9.2f} {r['over_inputs_grads_gib']:17.2f}")
         else:
-            print(f"{r['shape']:16} {r['method']:15} {r.get('status')}")
+            print(f"{head} {r.get('status')}")
 
 
 if __name__ == "__main__":

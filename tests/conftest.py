@@ -18,6 +18,11 @@ sys.path.insert(0, str(Path(__file__).parent))  # dist_utils and shared input bu
 # megatron-core warns at import about Transformer Engine / Apex being absent; that is expected here.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
+# Without a GPU (CI) the Triton kernels run in Triton's interpreter, so the CPU tests check the very
+# kernels the GPU runs, at tiny shapes. Set before any kernel module is imported (jit reads it then).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 _SEED = int(os.environ.get("MEGATRON_KD_TEST_SEED", random.SystemRandom().randrange(2**31)))
 
 

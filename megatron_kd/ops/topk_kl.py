@@ -15,11 +15,14 @@ Shapes:
     loss_mask      [...]          float weights or bool (default: all ones)
     labels         [...]          hard next-token ids for the cross-entropy term
 
-``impl`` picks the implementation by name: "torch" (plain torch, every device) or "auto".
+``impl`` picks the implementation by name: "torch" (plain torch, every device), "triton" (CUDA:
+Triton kernels for the passes over each logits block) or "auto" (Triton for bf16/fp16/fp32 inputs
+on CUDA, torch otherwise).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,9 +33,7 @@ from megatron_kd.ops.comm import group_size
 
 TAILS = ("none", "renorm", "ghost")
 REDUCTIONS = ("sum", "mean")
-# "auto" resolves to the fastest implementation available for the device. The Triton kernels for
-# CUDA join this tuple with the GPU speed work; until then "auto" is the torch path everywhere.
-IMPLS = ("auto", "torch")
+IMPLS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,32 @@ class TopKKLOptions:
 
     gradient_accumulation_fusion: bool = False
     """Add the weight gradient straight into ``weight.main_grad`` (Megatron's fp32 grad buffer)."""
+
+    impl: Literal["torch", "triton"] = "torch"
+    """Implementation of the passes over each logits block ("auto" is resolved by ``resolve_impl``)."""
+
+
+def resolve_impl(impl: str, hidden: torch.Tensor) -> str:
+    """"auto" -> "triton" for bf16/fp16/fp32 CUDA tensors when Triton imports, else "torch"."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    triton_ok = hidden.dtype in (torch.bfloat16, torch.float16, torch.float32) and (
+        hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    )
+    if impl == "triton" and not triton_ok:
+        raise ValueError(
+            f"impl='triton' needs bf16/fp16/fp32 CUDA tensors (or TRITON_INTERPRET=1 on CPU), got "
+            f"{hidden.dtype} on {hidden.device}; use impl='torch' or 'auto'"
+        )
+    if impl == "auto":
+        if not (triton_ok and hidden.is_cuda):
+            return "torch"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+    return impl
 
 
 def check_inputs(
@@ -180,12 +207,11 @@ def fused_topk_kl(
     during this call (Megatron's fp32 buffer; no V×h temporary) and ``weight.grad_added_to_main_grad``
     is set; the loss must then be backpropagated with gradient 1 (bf16 training, per-token loss).
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     opts = TopKKLOptions(
         kd_weight=kd_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
         reduction=reduction, tp_group=tp_group, sequence_parallel=sequence_parallel,
         chunk_size=chunk_size, gradient_accumulation_fusion=gradient_accumulation_fusion,
+        impl=resolve_impl(impl, hidden),
     )
     check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
 

@@ -2,14 +2,17 @@
 
 Per chunk of c tokens (three GEMMs in all, the floor):
 
-    z   = h_c · W_localᵀ                      GEMM 1, fp32 out            [c, V_local]
-    local row stats, z -> e in place           topk_kl_torch.local_row_stats_
+    z   = h_c · W_localᵀ                      GEMM 1                      [c, V_local]
+    local row stats                            row_stats (torch or Triton)
     all-gather [c, 6] across the TP group      one small collective
-    e -> G = dLoss/dz in place                 topk_kl_torch.logit_grad_
+    z -> G = dLoss/dz in place                 grad_coefficients + logit_grad_
     grad_h[c]  = G · W_local                   GEMM 2
     grad_W    += Gᵀ · h_c                      GEMM 3, fp32 accumulation
 
-Only one [c, V_local] block is alive at a time (plus its low-precision copy for GEMMs 2-3 on CUDA).
+impl "torch": the block is fp32 (fp64 for fp64 inputs) and plain torch ops walk it; on CUDA with
+bf16/fp16 inputs G is cast to a low-precision copy for GEMMs 2-3.
+impl "triton" (CUDA): the block is in the input dtype, two kernels walk it (topk_kl_triton.py) and
+it is handed to GEMMs 2-3 as it is. Only one block is alive at a time.
 Gradients are complete when forward returns; backward multiplies them by the incoming gradient.
 Under TP, grad_h is a partial sum over vocabulary shards: all-reduced at the end, or
 reduce-scattered back to the sequence shard under sequence parallelism.
@@ -34,6 +37,8 @@ _MiB = 1 << 20
 # Budget for the fp32 logits block. On CUDA this keeps the op within ~0.5 GiB of its inputs and
 # gradients while a chunk stays large enough (>= a few hundred rows at V = 201K) for full-rate GEMMs.
 _CUDA_BLOCK_BYTES = 256 * _MiB
+# The Triton path's block is in the GEMM dtype with no copy: the same bound buys ~2x longer chunks.
+_CUDA_TRITON_BLOCK_BYTES = 384 * _MiB
 _CPU_BLOCK_BYTES = 32 * _MiB
 
 
@@ -105,6 +110,9 @@ def topk_kl_forward(
     rank = group_rank(group)
     tau = float(opts.temperature)
     acc = accumulation_dtype(hidden.dtype)
+    use_triton = opts.impl == "triton"
+    if use_triton:
+        from megatron_kd.ops import topk_kl_triton
     mixed = mixed_gemms(hidden)
     has_labels = labels is not None
     fuse_main_grad = need_grad_weight and opts.gradient_accumulation_fusion
@@ -127,13 +135,17 @@ def topk_kl_forward(
         row_weight = mask
 
     need_grad = need_grad_hidden or need_grad_weight
+    # Triton: logits and their gradient share one block in the input dtype. Torch: an fp32 block,
+    # plus a low-precision copy of G for mixed-precision GEMMs.
+    block_dtype = hidden.dtype if use_triton else acc
+    gemm_dtype = hidden.dtype if (mixed or use_triton) else acc
     chunk = opts.chunk_size or auto_chunk_size(
-        num_tokens, vocab_local, device=hidden.device, block_dtype=acc,
-        gemm_dtype=weight.dtype if mixed else acc,
-        extra_block=has_labels and tau != 1.0,
+        num_tokens, vocab_local, device=hidden.device, block_dtype=block_dtype, gemm_dtype=gemm_dtype,
+        extra_block=has_labels and tau != 1.0 and not use_triton,
+        budget_bytes=_CUDA_TRITON_BLOCK_BYTES if use_triton else None,
     )
     # CPU with bf16/fp16 inputs: one upcast copy of the shard (no mixed-precision GEMMs there).
-    w_gemm = weight if mixed else weight.to(acc)
+    w_gemm = weight if gemm_dtype == weight.dtype else weight.to(acc)
 
     grad_h2d = torch.empty_like(h2d) if need_grad_hidden else None
     grad_w_acc = None
@@ -142,13 +154,17 @@ def topk_kl_forward(
             grad_w_acc = weight.main_grad
         else:
             grad_w_acc = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    block_buf = torch.empty(min(chunk, num_tokens), vocab_local, dtype=block_dtype, device=hidden.device) if use_triton else None
 
     totals = torch.zeros(4, dtype=acc, device=hidden.device)  # loss, Σρ'·kd, Σρ'·ce, Σρ'·M
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         h_c = h2d[start:end]
-        h_c_gemm = h_c if mixed else h_c.to(acc)
-        block = chunk_logits(h_c_gemm, w_gemm, acc)
+        h_c_gemm = h_c if gemm_dtype == h_c.dtype else h_c.to(acc)
+        if use_triton:
+            block = torch.mm(h_c_gemm, w_gemm.t(), out=block_buf[: end - start])
+        else:
+            block = chunk_logits(h_c_gemm, w_gemm, acc)
 
         teacher = chunk_math.teacher_terms(
             ids2d[start:end], lps2d[start:end], tail=opts.tail, temperature=tau,
@@ -159,7 +175,10 @@ def topk_kl_forward(
             label_idx, label_owned = chunk_math.local_labels(
                 labels1d[start:end], vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc
             )
-        local, z_s = chunk_math.local_row_stats_(block, teacher, label_idx, label_owned, tau)
+        if use_triton:
+            local, z_s = topk_kl_triton.local_row_stats(block, teacher, label_idx, label_owned, tau)
+        else:
+            local, z_s = chunk_math.local_row_stats_(block, teacher, label_idx, label_owned, tau)
         rs = chunk_math.combine_row_stats(all_gather_stack(local, group), rank, tau, has_labels)
         kd, ce = chunk_math.row_losses(teacher, rs, tau, opts.tail)
 
@@ -175,22 +194,25 @@ def topk_kl_forward(
 
         if need_grad:
             ce_scale = opts.ce_weight * rho if (has_labels and opts.ce_weight != 0) else None
-            grad_block = chunk_math.logit_grad_(
-                block, z_s, teacher, rs, (opts.kd_weight * tau) * rho, ce_scale,
-                label_idx, label_owned, tau, opts.tail,
+            coefs = chunk_math.grad_coefficients(
+                z_s, teacher, rs, (opts.kd_weight * tau) * rho, ce_scale, label_owned, tau, opts.tail
             )
-            g = grad_block.to(weight.dtype) if mixed else grad_block
+            if use_triton:
+                g = topk_kl_triton.logit_grad_(block, local, z_s, coefs, teacher, label_idx, label_owned, tau)
+            else:
+                g = chunk_math.logit_grad_(block, coefs, teacher, label_idx, tau)
+                g = g.to(gemm_dtype)  # no copy unless mixed-precision GEMMs follow
             if need_grad_hidden:
-                if mixed:
-                    torch.mm(g, weight, out=grad_h2d[start:end])
-                else:
+                if g.dtype == grad_h2d.dtype:
+                    torch.mm(g, w_gemm, out=grad_h2d[start:end])
+                else:  # CPU with bf16/fp16 inputs: GEMM in fp32, cast on store
                     grad_h2d[start:end] = g @ w_gemm
             if need_grad_weight:
-                if mixed:
+                if g.dtype != grad_w_acc.dtype:
                     _addmm_fp32_(grad_w_acc, g.t(), h_c)
                 else:
                     grad_w_acc.addmm_(g.t(), h_c_gemm)
-            del g, grad_block
+            del g
         del block
 
     stats = totals.new_empty(4)

@@ -8,6 +8,7 @@ GEMMs and the tensor-parallel all-gather between them:
                           the block is overwritten by e = exp((z - m_r) / τ) (no second block).
 3. ``combine_row_stats``  [tp, c, 6] from all ranks -> global logsumexp, sparse sums, softmax
                           scale factors; ``row_losses`` -> per-token KD / CE values;
+   ``grad_coefficients``  per-row coefficients of dLoss/dz (shared with the Triton path);
    ``logit_grad_``        e -> dLoss/dz in place, ready for grad_h = G·W and grad_W += Gᵀ·h.
 
 Notation (DESIGN.md §1): u = z/τ, q = softmax(u) over the full vocabulary, S the valid cached
@@ -188,21 +189,34 @@ def row_losses(teacher: ChunkTeacher, rs: RowStats, temperature: float, tail: st
     return kd, ce
 
 
-def logit_grad_(
-    e: torch.Tensor,
+@dataclass
+class GradCoefs:
+    """dLoss/dz of one chunk on this rank's block, as per-row coefficients:
+
+        G[r, v] = alpha[r]·exp((z - m_r)/τ) + beta[r]·exp(z - m_r)      (dense part, m_r local max)
+                + sparse[r, k]  at v = local_idx[r, k] where owned       (teacher entries)
+                + label_sparse[r] at v = label_idx[r] where label_owned  (hard label)
+
+    beta is None when the CE softmax folds into alpha (τ = 1 or no CE term).
+    """
+
+    alpha: torch.Tensor  # [c]
+    beta: torch.Tensor | None  # [c]
+    sparse: torch.Tensor  # [c, K], 0 on entries this rank does not own
+    label_sparse: torch.Tensor | None  # [c], 0 where this rank does not own the label
+
+
+def grad_coefficients(
     z_s: torch.Tensor,
     teacher: ChunkTeacher,
     rs: RowStats,
     kd_row_scale: torch.Tensor,
     ce_row_scale: torch.Tensor | None,
-    label_idx: torch.Tensor | None,
     label_owned: torch.Tensor | None,
     temperature: float,
     tail: str,
-) -> torch.Tensor:
-    """Overwrite e = exp((z - m_r)/τ) with dLoss/dz for this rank's block and return it.
-
-    kd_row_scale = kd_weight·τ·ρ (τ²·L differentiated through u = z/τ), ce_row_scale = ce_weight·ρ,
+) -> GradCoefs:
+    """kd_row_scale = kd_weight·τ·ρ (τ²·L differentiated through u = z/τ), ce_row_scale = ce_weight·ρ,
     ρ = loss_mask (/ Σ loss_mask for "mean"). None for ce_row_scale drops the CE gradient.
     """
     if tail == "ghost":
@@ -214,20 +228,36 @@ def logit_grad_(
     else:
         dense_coef = teacher.lse_coef
     alpha = kd_row_scale * dense_coef * rs.scale_t
-    if ce_row_scale is None:
-        e.mul_(alpha.unsqueeze(1))
-    elif temperature == 1.0:
-        e.mul_((alpha + ce_row_scale * rs.scale_1).unsqueeze(1))
-    else:
-        softmax_1 = e.pow(temperature).mul_((ce_row_scale * rs.scale_1).unsqueeze(1))
-        e.mul_(alpha.unsqueeze(1)).add_(softmax_1)
-        del softmax_1
+    beta = label_sparse = None
+    if ce_row_scale is not None:
+        if temperature == 1.0:
+            alpha = alpha + ce_row_scale * rs.scale_1
+        else:
+            beta = ce_row_scale * rs.scale_1
+        label_sparse = -ce_row_scale * label_owned
 
     sparse = -kd_row_scale.unsqueeze(1) * teacher.target_owned
     if tail == "ghost":
         q_s = ((z_s - rs.row_max.unsqueeze(1)) / temperature).exp() / rs.sumexp_t.unsqueeze(1)
         sparse = sparse + (kd_row_scale * ghost_ratio).unsqueeze(1) * q_s * teacher.owned
-    e.scatter_add_(1, teacher.local_idx, sparse)
-    if ce_row_scale is not None:
-        e.scatter_add_(1, label_idx.unsqueeze(1), -(ce_row_scale * label_owned).unsqueeze(1))
+    return GradCoefs(alpha=alpha, beta=beta, sparse=sparse, label_sparse=label_sparse)
+
+
+def logit_grad_(
+    e: torch.Tensor,
+    coefs: GradCoefs,
+    teacher: ChunkTeacher,
+    label_idx: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """Overwrite e = exp((z - m_r)/τ) (from ``local_row_stats_``) with dLoss/dz and return it."""
+    if coefs.beta is None:
+        e.mul_(coefs.alpha.unsqueeze(1))
+    else:
+        softmax_1 = e.pow(temperature).mul_(coefs.beta.unsqueeze(1))  # e^τ = exp(z - m_r)
+        e.mul_(coefs.alpha.unsqueeze(1)).add_(softmax_1)
+        del softmax_1
+    e.scatter_add_(1, teacher.local_idx, coefs.sparse)
+    if coefs.label_sparse is not None:
+        e.scatter_add_(1, label_idx.unsqueeze(1), coefs.label_sparse.unsqueeze(1))
     return e

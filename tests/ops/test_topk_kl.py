@@ -1,6 +1,7 @@
 """fused_topk_kl against topk_kl_reference on one process (CPU; CUDA tests live in test_topk_kl_cuda.py).
 
-1. every tail x temperature x ce_weight x mask x reduction, float64 (<= 1e-9) and float32 (<= 1e-4)
+1. every tail x temperature x ce_weight x mask x reduction, float64 (<= 1e-9) and float32 (<= 1e-4),
+   for the torch path and (float32) the Triton kernels, run by Triton's interpreter on CPU
 2. bf16 inputs against the float64 reference (<= 1e-2)
 3. chunking does not change the result; the automatic chunk size respects its budget
 4. all-masked input: loss 0, zero gradients, finite stats
@@ -11,6 +12,7 @@
 """
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -33,9 +35,20 @@ def _check(fused, ref, tol):
         assert rel_err(s1[key], s2[key]) <= tol, key
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
+IMPL_DTYPES = [("torch", torch.float64, 1e-9), ("torch", torch.float32, 1e-4), ("triton", torch.float32, 1e-4)]
+
+
+def _skip_unless_cpu_triton(impl):
+    # On CPU tensors the Triton kernels run only in the interpreter (set by conftest without a GPU);
+    # on a GPU machine test_topk_kl_cuda.py runs them for real.
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1 (no-GPU machines)")
+
+
+@pytest.mark.parametrize("impl, dtype, tol", IMPL_DTYPES, ids=["torch-fp64", "torch-fp32", "triton-fp32"])
 @pytest.mark.parametrize("tail, temperature, ce_weight, masked, reduction", CASES)
-def test_matches_reference(seed, dtype, tol, tail, temperature, ce_weight, masked, reduction):
+def test_matches_reference(seed, impl, dtype, tol, tail, temperature, ce_weight, masked, reduction):
+    _skip_unless_cpu_triton(impl)
     x = make_inputs(s=29, b=2, h=24, vocab=131, k=9)
     kw = dict(
         loss_mask=x.loss_mask if masked else None, labels=x.labels, ce_weight=ce_weight,
@@ -44,7 +57,7 @@ def test_matches_reference(seed, dtype, tol, tail, temperature, ce_weight, maske
     ref = loss_and_grads(topk_kl_reference, x, grad_scale=1.3, **kw)  # float64 ground truth
     fused = loss_and_grads(
         fused_topk_kl, x, hidden=x.hidden.to(dtype), weight=x.weight.to(dtype), grad_scale=1.3,
-        chunk_size=13, **kw,
+        chunk_size=13, impl=impl, **kw,
     )
     assert fused[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     _check(fused, ref, tol)
@@ -60,6 +73,30 @@ def test_bf16_matches_float64_reference(seed, tail, temperature, ce_weight):
     fused = loss_and_grads(fused_topk_kl, x, hidden=h16, weight=w16, **kw)
     assert fused[2].dtype == torch.bfloat16 and fused[3].dtype == torch.bfloat16
     _check(fused, ref, 1e-2)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_label_among_teacher_ids_and_duplicate_ids(seed, impl):
+    """A label that is also a teacher id, and a teacher id listed twice, get every term once per
+    occurrence (the Triton kernel rewrites those columns instead of adding to them)."""
+    _skip_unless_cpu_triton(impl)
+    x = make_inputs(s=16, b=2, h=16, vocab=61, k=6)
+    x.labels[:8] = x.topk_ids[:8, :, 0].clamp_min(0)
+    x.topk_ids[4:12, :, 1] = x.topk_ids[4:12, :, 2]
+    kw = dict(labels=x.labels, ce_weight=0.5, temperature=1.5, tail="ghost")
+    ref = loss_and_grads(topk_kl_reference, x, **kw)
+    fused = loss_and_grads(fused_topk_kl, x, hidden=x.hidden.float(), weight=x.weight.float(),
+                           chunk_size=5, impl=impl, **kw)
+    _check(fused, ref, 1e-4)
+
+
+def test_triton_impl_refuses_what_it_cannot_run(seed, monkeypatch):
+    x = make_inputs(s=4, b=1)
+    with pytest.raises(ValueError, match="impl='triton' needs bf16/fp16/fp32"):
+        fused_topk_kl(x.hidden, x.weight, x.topk_ids, x.topk_logprobs, impl="triton")  # float64
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        fused_topk_kl(x.hidden.float(), x.weight.float(), x.topk_ids, x.topk_logprobs, impl="triton")
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, None])

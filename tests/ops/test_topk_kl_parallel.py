@@ -8,7 +8,9 @@ its loss, stats and gradients against the single-process result on the full voca
 """
 
 import contextlib
+import functools
 import itertools
+import os
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from megatron_kd.ops import TAILS, fused_topk_kl, topk_kl_reference
 CASES = list(itertools.product(TAILS, [1.0, 2.0], [0.0, 0.5]))
 
 
-def _tp_worker(rank, world, seed, sequence_parallel, dtype, tol, device):
+def _tp_worker(rank, world, seed, sequence_parallel, dtype, tol, device, impl):
     with megatron_cpu_patches() if device == "cpu" else contextlib.nullcontext():
         group = init_tensor_parallel(world)
         torch.manual_seed(seed)
@@ -29,15 +31,16 @@ def _tp_worker(rank, world, seed, sequence_parallel, dtype, tol, device):
             x = x.to(device=torch.device(device, rank) if device == "cuda" else device)
             kw = dict(loss_mask=x.loss_mask, labels=x.labels, ce_weight=ce_weight,
                       temperature=temperature, tail=tail, reduction="mean", chunk_size=5)
-            single = loss_and_grads(fused_topk_kl, x, **kw)
+            fused = functools.partial(fused_topk_kl, impl=impl)
+            single = loss_and_grads(fused, x, **kw)
             weight_shard = x.weight.chunk(world, dim=0)[rank]
             hidden_in = x.hidden.chunk(world, dim=0)[rank] if sequence_parallel else x.hidden
-            for fn in (fused_topk_kl, topk_kl_reference):
+            for fn in (fused, topk_kl_reference):
                 loss, stats, gh, gw = loss_and_grads(
                     fn, x, hidden=hidden_in, weight=weight_shard, tp_group=group,
                     sequence_parallel=sequence_parallel, **kw,
                 )
-                where = f"{fn.__name__} rank {rank} tail={tail} tau={temperature} ce={ce_weight}"
+                where = f"{getattr(fn, '__name__', impl)} rank {rank} tail={tail} tau={temperature} ce={ce_weight}"
                 assert rel_err(loss, single[0]) <= tol, where
                 for key in stats:
                     assert rel_err(stats[key], single[1][key]) <= tol, (where, key)
@@ -48,19 +51,23 @@ def _tp_worker(rank, world, seed, sequence_parallel, dtype, tol, device):
 
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+# Triton kernels on CPU tensors run in the interpreter (conftest sets it on machines without a GPU).
+cpu_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 @pytest.mark.parametrize(
-    "device, dtype, tol",
+    "device, dtype, tol, impl",
     [
-        ("cpu", torch.float64, 1e-12),
-        ("cpu", torch.float32, 1e-5),
-        pytest.param("cuda", torch.float32, 1e-5, marks=two_gpus),
-        pytest.param("cuda", torch.bfloat16, 2e-2, marks=two_gpus),
+        ("cpu", torch.float64, 1e-12, "torch"),
+        ("cpu", torch.float32, 1e-5, "torch"),
+        pytest.param("cpu", torch.float32, 1e-5, "triton", marks=cpu_triton),
+        pytest.param("cuda", torch.float32, 1e-5, "triton", marks=two_gpus),
+        pytest.param("cuda", torch.bfloat16, 2e-2, "triton", marks=two_gpus),
+        pytest.param("cuda", torch.bfloat16, 2e-2, "torch", marks=two_gpus),
     ],
-    ids=["gloo-fp64", "gloo-fp32", "nccl-fp32", "nccl-bf16"],
+    ids=["gloo-fp64", "gloo-fp32", "gloo-fp32-triton", "nccl-fp32-triton", "nccl-bf16-triton", "nccl-bf16-torch"],
 )
-def test_tensor_parallel_matches_single_rank(seed, sequence_parallel, device, dtype, tol):
+def test_tensor_parallel_matches_single_rank(seed, sequence_parallel, device, dtype, tol, impl):
     backend = "nccl" if device == "cuda" else "gloo"
-    spawn(_tp_worker, seed, sequence_parallel, dtype, tol, device, world_size=2, backend=backend)
+    spawn(_tp_worker, seed, sequence_parallel, dtype, tol, device, impl, world_size=2, backend=backend)

@@ -1,0 +1,231 @@
+"""Per-chunk elementwise work of the fused top-K KL loss as Triton kernels (the CUDA path).
+
+The torch path (``topk_kl_torch.py``) makes ~7 passes over each [c, V_local] logits block in fp32.
+Here the block stays in the GEMM dtype (bf16 on GPUs: half the bytes, so chunks twice as long in
+the same memory) and is touched by two kernels, one program per row:
+
+``row_stats_kernel``   one read of the row: per-lane running max and sum-exp (at τ, and at 1 for
+                       the CE term when τ != 1), then the K teacher entries and the label are
+                       gathered -> the [c, 6] statistics the chunk loop all-gathers across TP ranks,
+                       and z_S [c, K] (the raw logits at the teacher entries, fp32).
+``logit_grad_kernel``  one read and one write of the row: G = α·exp((z - m)/τ) + β·exp(z - m) in
+                       place, in the block's dtype, ready for the two backward GEMMs; then the
+                       teacher entries and the label are rewritten with their complete gradient.
+
+All arithmetic is fp32. The sparse entries are *rewritten* (not added to), from z_S saved by the
+first kernel: the dense loop has overwritten the logits by then, and rewriting lets duplicate ids
+in a row and a label that is also a teacher id produce identical stores (no read-modify-write race).
+Everything per row that is not a pass over the vocabulary (teacher terms, the TP combine, losses,
+coefficients) stays in ``topk_kl_torch`` and is shared by both paths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_kd.ops import topk_kl_torch as chunk_math
+from megatron_kd.ops.topk_kl_torch import (
+    NUM_ROW_STATS,
+    ROW_LABEL_LOGIT,
+    ROW_MAX,
+    ROW_SUMEXP_1,
+    ROW_SUMEXP_T,
+    ROW_TARGET_DOT,
+    ROW_TEACHER_SUMEXP,
+)
+
+_LOG2E = 1.4426950408889634
+
+
+def block_dtypes() -> tuple[torch.dtype, ...]:
+    return (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _launch_config(vocab_local: int) -> tuple[int, int]:
+    # 4K lanes x 8 warps keeps 16 elements in flight per thread: enough to saturate HBM on H100/H200
+    # with one program per row, and hundreds of rows per chunk fill every SM.
+    block_v = min(4096, triton.next_power_of_2(vocab_local))
+    return block_v, 8 if block_v >= 2048 else 4
+
+
+@triton.jit
+def row_stats_kernel(
+    z_ptr, z_stride,
+    idx_ptr, owned_ptr, target_ptr,  # [c, K] teacher entries (local column, 1/0, B_v·owned)
+    label_idx_ptr, label_owned_ptr,  # [c] (unused without labels)
+    stats_ptr, zs_ptr,  # out: [c, NUM_STATS] fp32, [c, K] fp32
+    K, scale_t,  # scale_t = log2(e)/τ
+    V: tl.constexpr,  # V_local: one compile per model, and a known trip count
+    NUM_STATS: tl.constexpr,
+    I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
+    I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr,
+    HAS_LABELS: tl.constexpr, SEPARATE_SUM_1: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * z_stride
+    cols = tl.arange(0, BLOCK_V)
+    # Per-lane running max and sums: no cross-lane reduction inside the loop.
+    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    s_t = tl.zeros([BLOCK_V], tl.float32)
+    s_1 = tl.zeros([BLOCK_V], tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        z = tl.load(z_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, z)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that never saw a column
+        s_t = s_t * tl.exp2((m - m_ref) * scale_t) + tl.exp2((z - m_ref) * scale_t)
+        if SEPARATE_SUM_1:
+            s_1 = s_1 * tl.exp2((m - m_ref) * 1.4426950408889634) + tl.exp2((z - m_ref) * 1.4426950408889634)
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    lane_ref = tl.where(m == float("-inf"), row_max, m)
+    sum_t = tl.sum(s_t * tl.exp2((lane_ref - row_max) * scale_t), axis=0)
+
+    k = tl.arange(0, BLOCK_K)
+    kmask = k < K
+    idx = tl.load(idx_ptr + row * K + k, mask=kmask, other=0)
+    owned = tl.load(owned_ptr + row * K + k, mask=kmask, other=0.0)
+    target = tl.load(target_ptr + row * K + k, mask=kmask, other=0.0)
+    z_s = tl.load(z_row + idx, mask=kmask & (owned != 0), other=0.0).to(tl.float32)
+    tl.store(zs_ptr + row * K + k, z_s, mask=kmask)
+    t_dot = tl.sum(target * z_s, axis=0)
+    t_sum = tl.sum(tl.where(owned != 0, owned * tl.exp2((z_s - row_max) * scale_t), 0.0), axis=0)
+
+    out = stats_ptr + row * NUM_STATS
+    tl.store(out + I_MAX, row_max)
+    tl.store(out + I_SUM_T, sum_t)
+    tl.store(out + I_TDOT, t_dot)
+    tl.store(out + I_TSUM, t_sum)
+    if HAS_LABELS:
+        if SEPARATE_SUM_1:
+            sum_1 = tl.sum(s_1 * tl.exp2((lane_ref - row_max) * 1.4426950408889634), axis=0)
+        else:
+            sum_1 = sum_t
+        label_idx = tl.load(label_idx_ptr + row)
+        label_owned = tl.load(label_owned_ptr + row)
+        z_label = tl.load(z_row + label_idx, mask=label_owned != 0, other=0.0).to(tl.float32)
+        tl.store(out + I_SUM_1, sum_1)
+        tl.store(out + I_LABEL, z_label * label_owned)
+    else:
+        tl.store(out + I_SUM_1, 0.0)
+        tl.store(out + I_LABEL, 0.0)
+
+
+@triton.jit
+def _dense_grad(z, m, alpha, beta, scale_t, HAS_BETA: tl.constexpr):
+    g = alpha * tl.exp2((z - m) * scale_t)
+    if HAS_BETA:
+        g += beta * tl.exp2((z - m) * 1.4426950408889634)
+    return g
+
+
+@triton.jit
+def logit_grad_kernel(
+    z_ptr, z_stride,  # in: logits, out: dLoss/dz, same memory
+    stats_ptr, zs_ptr,  # [c, NUM_STATS] local stats and [c, K] z_S from row_stats_kernel
+    alpha_ptr, beta_ptr,  # [c]
+    idx_ptr, owned_ptr, sparse_ptr,  # [c, K]
+    label_idx_ptr, label_owned_ptr, label_sparse_ptr,  # [c]
+    K, scale_t,
+    V: tl.constexpr, NUM_STATS: tl.constexpr, I_MAX: tl.constexpr, I_LABEL: tl.constexpr,
+    HAS_BETA: tl.constexpr, HAS_LABELS: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * z_stride
+    m = tl.load(stats_ptr + row * NUM_STATS + I_MAX)
+    alpha = tl.load(alpha_ptr + row)
+    beta = 0.0
+    if HAS_BETA:
+        beta = tl.load(beta_ptr + row)
+    cols = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        z = tl.load(z_row + offs, mask=offs < V, other=0.0).to(tl.float32)
+        g = _dense_grad(z, m, alpha, beta, scale_t, HAS_BETA)
+        tl.store(z_row + offs, g.to(z_ptr.dtype.element_ty), mask=offs < V)
+    # The sparse stores below must land after every thread's dense stores to the same columns.
+    tl.debug_barrier()
+
+    k = tl.arange(0, BLOCK_K)
+    kmask = k < K
+    idx = tl.load(idx_ptr + row * K + k, mask=kmask, other=-1)
+    owned = tl.load(owned_ptr + row * K + k, mask=kmask, other=0.0) != 0
+    sparse = tl.load(sparse_ptr + row * K + k, mask=kmask, other=0.0)
+    z_s = tl.load(zs_ptr + row * K + k, mask=kmask, other=0.0)
+    # Total sparse term at each entry's column, summed over duplicates of that column.
+    same = (idx[:, None] == idx[None, :]) & owned[None, :]
+    g_s = _dense_grad(z_s, m, alpha, beta, scale_t, HAS_BETA) + tl.sum(tl.where(same, sparse[None, :], 0.0), axis=1)
+    if HAS_LABELS:
+        label_idx = tl.load(label_idx_ptr + row)
+        label_owned = tl.load(label_owned_ptr + row) != 0
+        label_sparse = tl.load(label_sparse_ptr + row)
+        g_s += tl.where(idx == label_idx, label_sparse, 0.0)
+        z_label = tl.load(stats_ptr + row * NUM_STATS + I_LABEL)
+        g_label = (_dense_grad(z_label, m, alpha, beta, scale_t, HAS_BETA) + label_sparse
+                   + tl.sum(tl.where(owned & (idx == label_idx), sparse, 0.0), axis=0))
+        tl.store(z_row + label_idx, g_label.to(z_ptr.dtype.element_ty), mask=label_owned)
+    tl.store(z_row + idx, g_s.to(z_ptr.dtype.element_ty), mask=kmask & owned)
+
+
+def local_row_stats(
+    block: torch.Tensor,
+    teacher: chunk_math.ChunkTeacher,
+    label_idx: torch.Tensor | None,
+    label_owned: torch.Tensor | None,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``topk_kl_torch.local_row_stats_`` except that ``block`` is left intact."""
+    rows, vocab_local = block.shape
+    k = teacher.local_idx.shape[1]
+    stats = torch.empty(rows, NUM_ROW_STATS, dtype=torch.float32, device=block.device)
+    z_s = torch.empty(rows, k, dtype=torch.float32, device=block.device)
+    has_labels = label_idx is not None
+    block_v, warps = _launch_config(vocab_local)
+    row_stats_kernel[(rows,)](
+        block, block.stride(0),
+        teacher.local_idx, teacher.owned, teacher.target_owned,
+        label_idx if has_labels else stats, label_owned if has_labels else stats,
+        stats, z_s,
+        k, _LOG2E / temperature, V=vocab_local,
+        NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
+        I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
+        HAS_LABELS=has_labels, SEPARATE_SUM_1=has_labels and temperature != 1.0,
+        BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
+    )
+    return stats, z_s
+
+
+def logit_grad_(
+    block: torch.Tensor,
+    local_stats: torch.Tensor,
+    z_s: torch.Tensor,
+    coefs: chunk_math.GradCoefs,
+    teacher: chunk_math.ChunkTeacher,
+    label_idx: torch.Tensor | None,
+    label_owned: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """Overwrite the logits ``block`` with dLoss/dz (see ``topk_kl_torch.GradCoefs``) and return it."""
+    rows, vocab_local = block.shape
+    k = teacher.local_idx.shape[1]
+    has_labels = coefs.label_sparse is not None
+    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731 (the [c]-sized coefficients)
+    alpha = f32(coefs.alpha)
+    block_v, warps = _launch_config(vocab_local)
+    logit_grad_kernel[(rows,)](
+        block, block.stride(0),
+        local_stats, z_s,
+        alpha, f32(coefs.beta) if coefs.beta is not None else alpha,
+        teacher.local_idx, teacher.owned, f32(coefs.sparse),
+        label_idx if has_labels else alpha, label_owned if has_labels else alpha,
+        f32(coefs.label_sparse) if has_labels else alpha,
+        k, _LOG2E / temperature, V=vocab_local,
+        NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_LABEL=ROW_LABEL_LOGIT,
+        HAS_BETA=coefs.beta is not None, HAS_LABELS=has_labels,
+        BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
+    )
+    return block
