@@ -185,6 +185,8 @@ def _measure(method, tokens, hidden, vocab, reps, chunk_size, device, tp_group=N
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         ms = cuda_median_ms(step, reps=reps, warmup=0)
+        if os.environ.get("BENCH_LOSS_PROFILE") and rank == 0:
+            _print_kernel_profile(step)
     except torch.OutOfMemoryError:
         return dict(status="OOM")
     return dict(
@@ -192,6 +194,18 @@ def _measure(method, tokens, hidden, vocab, reps, chunk_size, device, tp_group=N
         over_inputs_grads_gib=(peak - input_bytes - grad_bytes) / GiB,
         inputs_grads_gib=(input_bytes + grad_bytes) / GiB,
     )
+
+
+def _print_kernel_profile(step, rows=14):
+    """CUDA time per kernel name over one step (stderr): where the milliseconds above the floor go."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60),
+          file=sys.stderr)
 
 
 def _tp_rank(rank, tp, port, results, *args):
@@ -293,6 +307,33 @@ def check(chunk_size=None, tol=1e-4):
         raise SystemExit(f"check failed (relative error > {tol}): {', '.join(failed)}")
 
 
+def kernel_sweep(shape: str, chunk: int, configs: str):
+    """Time the two Triton kernels of one chunk for (BLOCK_V, num_warps) configs; HBM GB/s."""
+    import torch
+
+    from megatron_kd.ops import topk_kl_torch as chunk_math
+    from megatron_kd.ops import topk_kl_triton
+
+    tokens, hidden, vocab = SHAPES[shape]
+    dev = torch.device("cuda")
+    _, _, ids, lps = _inputs(chunk, 8, vocab, dev)
+    block = (torch.randn(chunk, vocab, device=dev) * 3).bfloat16()
+    teacher = chunk_math.teacher_terms(ids, lps, tail="none", temperature=1.0, vocab_start=0,
+                                       vocab_local=vocab, dtype=torch.float32)
+    nbytes = block.numel() * block.element_size()
+    for cfg in configs.split(","):
+        block_v, warps = map(int, cfg.split("x"))
+        topk_kl_triton._launch_config = lambda v, bv=block_v, w=warps: (bv, w)
+        local, z_s = topk_kl_triton.local_row_stats(block, teacher, None, None, 1.0)
+        rs = chunk_math.combine_row_stats(local.unsqueeze(0), 0, 1.0, False)
+        coefs = chunk_math.grad_coefficients(z_s, teacher, rs, torch.ones(chunk, device=dev), None, None, 1.0, "none")
+        t_stats = cuda_median_ms(lambda: topk_kl_triton.local_row_stats(block, teacher, None, None, 1.0), reps=10)
+        t_grad = cuda_median_ms(
+            lambda: topk_kl_triton.logit_grad_(block, local, z_s, coefs, teacher, None, None, 1.0), reps=10)
+        print(f"kernels {shape} chunk {chunk} BLOCK_V {block_v:5d} warps {warps:2d}: row_stats {t_stats:6.3f} ms "
+              f"({nbytes / t_stats / 1e6:5.0f} GB/s), logit_grad {t_grad:6.3f} ms ({2 * nbytes / t_grad / 1e6:5.0f} GB/s)")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=None, help="comma-separated (default: all; at --tp > 1 the ours-* ones)")
@@ -301,11 +342,18 @@ def main():
     p.add_argument("--chunk-size", type=int, default=None, help="tokens per chunk (default: each method's own)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes, one GPU each (ours-* methods)")
     p.add_argument("--check", action="store_true", help="correctness of the KL methods on a tiny problem")
+    p.add_argument("--profile", action="store_true", help="print CUDA time per kernel for one step of each row")
+    p.add_argument("--kernel-sweep", metavar="BLOCKxWARPS,...", default=None,
+                   help="time the Triton kernels alone on one [chunk-size x V] block of each shape, per config")
     p.add_argument("--out", type=Path, default=None, help="CSV file for the results")
     p.add_argument("--one", nargs=2, metavar=("METHOD", "SHAPE"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.check:
         check(args.chunk_size)
+        return
+    if args.kernel_sweep:
+        for shape in args.shapes.split(","):
+            kernel_sweep(shape, args.chunk_size or 1024, args.kernel_sweep)
         return
     if args.one:
         print(json.dumps(run_one(*args.one, args.reps, args.chunk_size, args.tp)))
@@ -318,8 +366,11 @@ def main():
     rows = []
     for shape in args.shapes.split(","):
         for method in methods:
+            env = dict(os.environ, **({"BENCH_LOSS_PROFILE": "1"} if args.profile else {}))
             proc = subprocess.run([sys.executable, __file__, "--one", method, shape, *extra],
-                                  capture_output=True, text=True)
+                                  capture_output=True, text=True, env=env)
+            if args.profile:
+                print(proc.stderr[-6000:], file=sys.stderr)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             row = json.loads(lines[-1]) if lines else dict(
                 method=method, shape=shape, tp=args.tp, chunk_size=args.chunk_size, status="error")

@@ -1,7 +1,7 @@
 """Teacher-side ops: the top-K (or a sample) of softmax(hidden · Wᵀ / τ) without full logits.
 
 Per chunk of tokens each tensor-parallel rank projects onto its vocabulary shard, takes its local
-top-K and its row (max, sum-exp), and one all-gather of [c, 2K + 2] gives every rank the
+top-K and its row (max, sum-exp) (one Triton kernel on CUDA, ``topk_triton.py``; torch elsewhere), and one all-gather of [c, 2K + 2] gives every rank the
 candidates and the global logsumexp: the global top-K is the top-K of the tp·K candidates, and
 log p = z/τ - logsumexp(z/τ). Never a [tokens, V] tensor; one [chunk, V_local] block at a time.
 
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.ops.comm import all_gather_stack, group_rank, group_size
+from megatron_kd.ops.topk_kl import resolve_impl
 from megatron_kd.ops.topk_kl_function import accumulation_dtype, auto_chunk_size, chunk_logits, mixed_gemms
 
 _MAX_FLOAT_ID = 1 << 24  # ids travel through the all-gather as exact float32 values
@@ -69,8 +70,10 @@ def _local_max_sumexp_(z: torch.Tensor):
 @torch.no_grad()
 def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, *,
                         tp_group: dist.ProcessGroup | None = None, vocab_size: int | None = None,
-                        temperature: float = 1.0, chunk_size: int | None = None):
+                        temperature: float = 1.0, chunk_size: int | None = None, impl: str = "auto"):
     """(ids int64 [..., k] global, logprobs float32 [..., k]) in descending probability.
+
+    ``impl``: "torch", "triton" (the kernel of ``topk_triton.py``) or "auto" (Triton on CUDA).
 
     hidden [..., h]; weight [V_local, h] = rows [r·V_local, (r+1)·V_local) on TP rank r.
     """
@@ -80,11 +83,17 @@ def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, *,
     ids_out = torch.empty((*lead, k), dtype=torch.int64, device=hidden.device).view(-1, k)
     lps_out = torch.empty((*lead, k), dtype=torch.float32, device=hidden.device).view(-1, k)
     k_local = min(k, vocab_local)
+    use_triton = resolve_impl(impl, hidden) == "triton" and accumulation_dtype(hidden.dtype) == torch.float32
     for a, b, z in _logits_chunks(hidden, weight, tp_group=tp_group, vocab_size=vocab_size,
                                   temperature=temperature, chunk_size=chunk_size):
         c = b - a
-        vals, idx = z.topk(k_local, dim=-1)
-        row_max, sumexp = _local_max_sumexp_(z)
+        if use_triton:
+            from megatron_kd.ops.topk_triton import local_topk_max_sumexp
+
+            vals, idx, row_max, sumexp = local_topk_max_sumexp(z, k_local)
+        else:
+            vals, idx = z.topk(k_local, dim=-1)
+            row_max, sumexp = _local_max_sumexp_(z)
         del z
         # this rank's candidates: K values (-inf padded), K ids as floats (-1 padded), max, sumexp
         pack = vals.new_full((c, 2 * k + 2), float("-inf"))

@@ -232,16 +232,12 @@ def topk_kl_forward(
     return totals[0], stats, grad_hidden, grad_weight
 
 
-_dummy_wgrads: dict[tuple, torch.Tensor] = {}
-
-
 def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
-    """Stand-in weight gradient once the real one went into main_grad (as Megatron's linear
-    layers do), so DDP's backward hook fires on the main thread and skips the add."""
-    key = (tuple(weight.shape), weight.dtype, weight.device)
-    if key not in _dummy_wgrads:
-        _dummy_wgrads[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    return _dummy_wgrads[key]
+    """Stand-in weight gradient once the real one went into main_grad, as Megatron's own linear
+    layers return: DDP's backward hook needs a .grad to fire (and then drops it without adding it,
+    seeing grad_added_to_main_grad); zeros where Megatron asks for them (zero_out_wgrad)."""
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
 class FusedTopKKLFunction(torch.autograd.Function):

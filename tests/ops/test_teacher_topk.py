@@ -1,0 +1,55 @@
+"""vocab_parallel_topk: the Triton candidate kernel against torch.topk of the full log-softmax.
+
+On CPU the kernel runs in Triton's interpreter (conftest sets it without a GPU), so shapes stay
+tiny; on a GPU machine the same tests run it compiled on CUDA tensors.
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron_kd.ops.topk import vocab_parallel_topk
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="Triton needs CUDA or its interpreter"
+)
+
+
+def _full_topk(hidden, weight, k, vocab_size=None, temperature=1.0):
+    z = (hidden.reshape(-1, hidden.shape[-1]).double() @ weight.double().t()) / temperature
+    if vocab_size is not None:
+        z[:, vocab_size:] = float("-inf")
+    return torch.log_softmax(z, -1).topk(k, -1)
+
+
+@pytest.mark.parametrize("vocab, k, vocab_size, temperature", [
+    (4500, 16, None, 1.0),  # two 4096-lane tiles, the last one ragged
+    (300, 8, 290, 2.0),  # padded vocabulary rows, tempered
+    (40, 64, None, 1.0),  # K larger than the vocabulary shard: all of it
+])
+def test_triton_topk_equals_full_log_softmax(seed, vocab, k, vocab_size, temperature):
+    hidden = torch.randn(2, 3, 16, device=DEVICE)
+    weight = torch.randn(vocab, 16, device=DEVICE) * 1.5
+    k_eff = min(k, vocab_size or vocab)
+    ids, lps = vocab_parallel_topk(hidden, weight, k_eff, vocab_size=vocab_size, temperature=temperature,
+                                   chunk_size=5, impl="triton")
+    ref = _full_topk(hidden, weight, k_eff, vocab_size, temperature)
+    assert ids.shape == (2, 3, k_eff)
+    assert torch.equal(ids.reshape(-1, k_eff).cpu(), ref.indices.cpu())
+    assert (lps.reshape(-1, k_eff).double() - ref.values).abs().max().item() <= 1e-5
+
+
+def test_triton_topk_rows_of_ties_fall_back_exactly(seed):
+    """A row whose logits are all equal puts every column above the threshold (more than the
+    candidate list holds); it is redone with torch.topk and still gets K distinct ids."""
+    vocab, k = 1200, 8
+    hidden = torch.randn(4, 16, device=DEVICE)
+    hidden[1] = 0.0  # all logits 0: log p = -log V everywhere
+    weight = torch.randn(vocab, 16, device=DEVICE)
+    ids, lps = vocab_parallel_topk(hidden, weight, k, impl="triton")
+    ref = _full_topk(hidden, weight, k)
+    assert torch.allclose(lps.double().cpu(), ref.values.cpu(), atol=1e-5)
+    assert ids[1].unique().numel() == k
+    assert torch.equal(ids[[0, 2, 3]].cpu(), ref.indices[[0, 2, 3]].cpu())
