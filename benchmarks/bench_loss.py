@@ -323,7 +323,7 @@ def kernel_sweep(shape: str, chunk: int, configs: str):
     nbytes = block.numel() * block.element_size()
     for cfg in configs.split(","):
         block_v, warps = map(int, cfg.split("x"))
-        topk_kl_triton._launch_config = lambda v, bv=block_v, w=warps: (bv, w)
+        topk_kl_triton._launch_config = lambda v, kernel, bv=block_v, w=warps: (bv, w)
         local, z_s = topk_kl_triton.local_row_stats(block, teacher, None, None, 1.0)
         rs = chunk_math.combine_row_stats(local.unsqueeze(0), 0, 1.0, False)
         coefs = chunk_math.grad_coefficients(z_s, teacher, rs, torch.ones(chunk, device=dev), None, None, 1.0, "none")

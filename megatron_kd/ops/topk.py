@@ -25,7 +25,7 @@ _MAX_FLOAT_ID = 1 << 24  # ids travel through the all-gather as exact float32 va
 _TEACHER_BLOCK_BYTES = 4 << 30
 
 
-def _logits_chunks(hidden, weight, *, tp_group, vocab_size, temperature, chunk_size):
+def _logits_chunks(hidden, weight, *, tp_group, vocab_size, temperature, chunk_size, extra_block=True):
     """Yield (start, end, z) with z = h·Wᵀ/τ for this rank's shard in fp32, padding rows at -inf."""
     rank, tp = group_rank(tp_group), group_size(tp_group)
     vocab_local = weight.shape[0]
@@ -44,7 +44,7 @@ def _logits_chunks(hidden, weight, *, tp_group, vocab_size, temperature, chunk_s
     # No gradients here, so a larger block than the loss's: per-chunk top-K and launch costs shrink
     # (measured on an H200 at V=201K: 128-row chunks 67 ms, 2048-row chunks 42 ms per 8K tokens).
     chunk = chunk_size or auto_chunk_size(h2d.shape[0], vocab_local, device=hidden.device, block_dtype=acc,
-                                          gemm_dtype=acc, extra_block=True, budget_bytes=_TEACHER_BLOCK_BYTES)
+                                          gemm_dtype=acc, extra_block=extra_block, budget_bytes=_TEACHER_BLOCK_BYTES)
     for a in range(0, h2d.shape[0], chunk):
         b = min(a + chunk, h2d.shape[0])
         z = chunk_logits(h2d[a:b].to(w.dtype), w, acc)
@@ -85,7 +85,7 @@ def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, *,
     k_local = min(k, vocab_local)
     use_triton = resolve_impl(impl, hidden) == "triton" and accumulation_dtype(hidden.dtype) == torch.float32
     for a, b, z in _logits_chunks(hidden, weight, tp_group=tp_group, vocab_size=vocab_size,
-                                  temperature=temperature, chunk_size=chunk_size):
+                                  temperature=temperature, chunk_size=chunk_size, extra_block=not use_triton):
         c = b - a
         if use_triton:
             from megatron_kd.ops.topk_triton import local_topk_max_sumexp

@@ -1,18 +1,18 @@
-"""Teacher top-K of a logits block in two reads of each row (the CUDA path of ``vocab_parallel_topk``).
+"""Teacher top-K of a logits block in one read of each row (the CUDA path of ``vocab_parallel_topk``).
 
 torch.topk over a [c, V] fp32 block is a multi-pass radix select, and the logsumexp is another
 three passes; together they cost ~2x the projection GEMM at V = 201K (benchmarks/RESULTS.md).
-``topk_candidates_kernel`` runs one program per row:
+``topk_candidates_kernel`` reads each row once (one program per row, BLOCK_V lanes):
 
-pass 1  per-lane running max and sum-exp (-> row max and Σ exp(z - max)). The lanes are folded
-        into GROUPS = 2·K (rounded up to a power of two) groups; the K-th largest group maximum
-        is a threshold t: those K groups each hold an element >= t, so the row's K largest
-        elements are all >= t (and for LM-like rows only ~1.3·K elements are).
-pass 2  the elements >= t (usually a few hundred at most) are compacted, in column order, into a
-        [CAP] candidate list with their columns.
+* every lane keeps a running max and sum-exp (-> row max and Σ exp(z - max)), its two largest
+  values with their columns, and the largest value it dropped;
+* the lanes are folded into GROUPS = 2·K (power of two) groups; the K-th largest group maximum is
+  a threshold t: those K groups each hold an element >= t, so the row's K largest are all >= t;
+* the kept values >= t (~1.3·K for LM-like rows) are compacted into a [CAP] candidate list.
 
-torch.topk over the [c, CAP] candidates then gives the exact local top-K. A row with more than
-CAP elements >= t (many ties or an adversarial row) is reported and redone with torch.topk.
+torch.topk over the [c, CAP] candidates gives the exact local top-K, unless some lane dropped a
+value >= t (it held 3+ of the row's largest values: ~2% of random rows at V = 201K) or the
+candidates overflow CAP; such rows are flagged and redone with torch.topk on their logits.
 """
 
 from __future__ import annotations
@@ -27,42 +27,56 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def topk_candidates_kernel(
     z_ptr, z_stride,
-    max_ptr, sumexp_ptr, count_ptr,  # out [c] fp32, fp32, int32
+    max_ptr, sumexp_ptr, count_ptr,  # out [c] fp32, fp32, int32 (CAP + 1 flags a row to redo)
     cand_val_ptr, cand_col_ptr,  # out [c, CAP] fp32 (pre-filled with -inf), int32
     V: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr, CAP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
     cols = tl.arange(0, BLOCK_V)
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_V], tl.float32)
+    neg_inf = float("-inf")
+    v1 = tl.full([BLOCK_V], neg_inf, tl.float32)  # lane max
+    v2 = tl.full([BLOCK_V], neg_inf, tl.float32)  # lane second largest
+    v3 = tl.full([BLOCK_V], neg_inf, tl.float32)  # largest value the lane dropped
+    c1 = tl.zeros([BLOCK_V], tl.int32)
+    c2 = tl.zeros([BLOCK_V], tl.int32)
+    s = tl.zeros([BLOCK_V], tl.float32)  # Σ exp(z - v1) over the lane
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        z = tl.load(z_row + offs, mask=offs < V, other=float("-inf"))
-        m_new = tl.maximum(m, z)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes with no finite value yet
-        s = s * tl.exp2((m - m_ref) * 1.4426950408889634) + tl.exp2((z - m_ref) * 1.4426950408889634)
-        m = m_new
-    row_max = tl.max(m, axis=0)
-    lane_ref = tl.where(m == float("-inf"), row_max, m)
+        z = tl.load(z_row + offs, mask=offs < V, other=neg_inf)
+        above1 = z > v1
+        above2 = z > v2
+        v3 = tl.maximum(v3, tl.where(above2, v2, z))
+        v2 = tl.where(above1, v1, tl.where(above2, z, v2))
+        c2 = tl.where(above1, c1, tl.where(above2, offs, c2))
+        m_new = tl.maximum(v1, z)
+        m_ref = tl.where(m_new == neg_inf, 0.0, m_new)  # lanes with no finite value yet
+        s = s * tl.exp2((v1 - m_ref) * 1.4426950408889634) + tl.exp2((z - m_ref) * 1.4426950408889634)
+        c1 = tl.where(above1, offs, c1)
+        v1 = m_new
+    row_max = tl.max(v1, axis=0)
+    lane_ref = tl.where(v1 == neg_inf, row_max, v1)
     tl.store(max_ptr + row, row_max)
     tl.store(sumexp_ptr + row, tl.sum(s * tl.exp2((lane_ref - row_max) * 1.4426950408889634), axis=0))
 
-    group_max = tl.max(tl.reshape(m, [GROUPS, BLOCK_V // GROUPS]), axis=1)
+    group_max = tl.max(tl.reshape(v1, [GROUPS, BLOCK_V // GROUPS]), axis=1)
     top_groups = tl.topk(group_max, GROUPS)  # a full descending sort of GROUPS values
-    threshold = tl.max(tl.where(tl.arange(0, GROUPS) == K - 1, top_groups, float("-inf")), axis=0)
+    threshold = tl.max(tl.where(tl.arange(0, GROUPS) == K - 1, top_groups, neg_inf), axis=0)
 
-    count = tl.full([], 0, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        z = tl.load(z_row + offs, mask=offs < V, other=float("-inf"))
-        keep = (z >= threshold) & (offs < V)
-        pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        store = keep & (pos < CAP)
-        tl.store(cand_val_ptr + row * CAP + pos, z, mask=store)
-        tl.store(cand_col_ptr + row * CAP + pos, offs.to(tl.int32), mask=store)
-        count += tl.sum(keep.to(tl.int32), axis=0)
-    tl.store(count_ptr + row, count)
+    keep1 = v1 >= threshold
+    keep2 = v2 >= threshold
+    n1 = tl.sum(keep1.to(tl.int32), axis=0)
+    pos1 = tl.cumsum(keep1.to(tl.int32), axis=0) - 1
+    pos2 = n1 + tl.cumsum(keep2.to(tl.int32), axis=0) - 1
+    out_val = cand_val_ptr + row * CAP
+    out_col = cand_col_ptr + row * CAP
+    tl.store(out_val + pos1, v1, mask=keep1 & (pos1 < CAP))
+    tl.store(out_col + pos1, c1, mask=keep1 & (pos1 < CAP))
+    tl.store(out_val + pos2, v2, mask=keep2 & (pos2 < CAP))
+    tl.store(out_col + pos2, c2, mask=keep2 & (pos2 < CAP))
+    count = n1 + tl.sum(keep2.to(tl.int32), axis=0)
+    lost = tl.max((v3 >= threshold).to(tl.int32), axis=0)  # a lane dropped a possible top-K value
+    tl.store(count_ptr + row, tl.where(lost > 0, CAP + 1, count))
 
 
 def local_topk_max_sumexp(z: torch.Tensor, k: int):
@@ -79,11 +93,11 @@ def local_topk_max_sumexp(z: torch.Tensor, k: int):
     cand_col = torch.zeros((rows, cap), dtype=torch.int32, device=z.device)
     topk_candidates_kernel[(rows,)](
         z, z.stride(0), row_max, sumexp, count, cand_val, cand_col,
-        V=vocab_local, K=k, GROUPS=groups, CAP=cap, BLOCK_V=block_v, num_warps=8,
+        V=vocab_local, K=k, GROUPS=groups, CAP=cap, BLOCK_V=block_v, num_warps=16,
     )
     vals, pos = cand_val.topk(k, dim=-1)
     cols = cand_col.gather(1, pos).long()
     overflow = (count > cap).nonzero().squeeze(1)
-    if overflow.numel():  # rare: redo those rows exactly
+    if overflow.numel():  # flagged rows: redo exactly
         vals[overflow], cols[overflow] = z[overflow].topk(k, dim=-1)
     return vals, cols, row_max, sumexp

@@ -53,3 +53,18 @@ def test_triton_topk_rows_of_ties_fall_back_exactly(seed):
     assert torch.allclose(lps.double().cpu(), ref.values.cpu(), atol=1e-5)
     assert ids[1].unique().numel() == k
     assert torch.equal(ids[[0, 2, 3]].cpu(), ref.indices[[0, 2, 3]].cpu())
+
+
+def test_triton_topk_lane_holding_three_of_the_top_values(seed):
+    """Columns 0, 4096 and 8192 share one kernel lane (4096 lanes); when they are the row's three
+    largest, the lane keeps two and flags the row, which is redone exactly."""
+    vocab, k = 8300, 4
+    hidden = torch.zeros(2, 16, device=DEVICE)
+    hidden[:, 0] = 1.0
+    weight = torch.randn(vocab, 16, device=DEVICE) * 0.1
+    weight[[0, 4096, 8192], 0] = torch.tensor([10.0, 9.0, 8.0], device=DEVICE)
+    ids, lps = vocab_parallel_topk(hidden, weight, k, impl="triton")
+    ref = _full_topk(hidden, weight, k)
+    assert torch.equal(ids.cpu(), ref.indices.cpu())
+    assert (lps.double().cpu() - ref.values.cpu()).abs().max().item() <= 1e-5
+    assert ids[:, :3].tolist() == [[0, 4096, 8192]] * 2
