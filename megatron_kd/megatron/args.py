@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from megatron_kd.ops import TAILS
+from megatron_kd.ops import IMPLS, TAILS
 
 KD_IMPLS = ("fused", "dense")
 CACHE_MODES = ("topk", "sampled")
@@ -66,8 +66,9 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--kd-impl", choices=KD_IMPLS, default="fused",
                        help="'fused': the chunked loss from hidden states; 'dense': the materializing baseline "
                             "(full logits), for comparisons.")
-    group.add_argument("--kd-op-impl", type=str, default="auto",
-                       help="Implementation of the fused op by name ('auto' or 'torch').")
+    group.add_argument("--kd-op-impl", choices=IMPLS, default="auto",
+                       help="Implementation of the fused op: 'triton' (CUDA kernels), 'torch' (plain torch), "
+                            "'auto' (Triton on CUDA, torch on CPU).")
     # teacher pass (megatron-kd cache build)
     group.add_argument("--kd-topk", type=int, default=100,
                        help="Entries per token stored by the teacher pass (K).")

@@ -46,6 +46,10 @@ _CUDA_TRITON_MIN_BLOCK_BYTES = 256 * _MiB
 _CPU_BLOCK_BYTES = 32 * _MiB
 
 
+def _triton_block_budget(weight: torch.Tensor) -> int:
+    return max(_CUDA_TRITON_MIN_BLOCK_BYTES, weight.numel() * weight.element_size())
+
+
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -146,7 +150,7 @@ def topk_kl_forward(
     chunk = opts.chunk_size or auto_chunk_size(
         num_tokens, vocab_local, device=hidden.device, block_dtype=block_dtype, gemm_dtype=gemm_dtype,
         extra_block=has_labels and tau != 1.0 and not use_triton,
-        budget_bytes=max(_CUDA_TRITON_MIN_BLOCK_BYTES, weight.numel() * weight.element_size()) if use_triton else None,
+        budget_bytes=_triton_block_budget(weight) if use_triton else None,
     )
     # CPU with bf16/fp16 inputs: one upcast copy of the shard (no mixed-precision GEMMs there).
     w_gemm = weight if gemm_dtype == weight.dtype else weight.to(acc)
@@ -158,7 +162,9 @@ def topk_kl_forward(
             grad_w_acc = weight.main_grad
         else:
             grad_w_acc = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-    block_buf = torch.empty(min(chunk, num_tokens), vocab_local, dtype=block_dtype, device=hidden.device) if use_triton else None
+    block_buf = None
+    if use_triton:  # reused by every chunk: logits in, gradient out
+        block_buf = torch.empty(min(chunk, num_tokens), vocab_local, dtype=block_dtype, device=hidden.device)
 
     totals = torch.zeros(4, dtype=acc, device=hidden.device)  # loss, Σρ'·kd, Σρ'·ce, Σρ'·M
     for start in range(0, num_tokens, chunk):
