@@ -90,6 +90,19 @@ def test_label_among_teacher_ids_and_duplicate_ids(seed, impl):
     _check(fused, ref, 1e-4)
 
 
+@pytest.mark.parametrize("tail, temperature, ce_weight", [("ghost", 1.0, 0.5), ("renorm", 2.0, 0.5)])
+def test_triton_rows_longer_than_one_tile(seed, tail, temperature, ce_weight):
+    """V_local = 9000 spans three 4096-lane tiles (the last one ragged), as every real vocabulary
+    does: the kernels' running max / sum-exp across tiles and the in-place gradient of each tile."""
+    _skip_unless_cpu_triton("triton")
+    x = make_inputs(s=4, b=2, h=16, vocab=9000, k=12)
+    kw = dict(loss_mask=x.loss_mask, labels=x.labels, ce_weight=ce_weight, temperature=temperature, tail=tail)
+    ref = loss_and_grads(topk_kl_reference, x, **kw)
+    fused = loss_and_grads(fused_topk_kl, x, hidden=x.hidden.float(), weight=x.weight.float(),
+                           chunk_size=4, impl="triton", **kw)
+    _check(fused, ref, 1e-4)
+
+
 def test_triton_impl_refuses_what_it_cannot_run(seed, monkeypatch):
     x = make_inputs(s=4, b=1)
     with pytest.raises(ValueError, match="impl='triton' needs bf16/fp16/fp32"):
