@@ -1,9 +1,10 @@
 """Teacher-side ops: the top-K (or a sample) of softmax(hidden · Wᵀ / τ) without full logits.
 
 Per chunk of tokens each tensor-parallel rank projects onto its vocabulary shard, takes its local
-top-K and its row (max, sum-exp) (one Triton kernel on CUDA, ``topk_triton.py``; torch elsewhere), and one all-gather of [c, 2K + 2] gives every rank the
-candidates and the global logsumexp: the global top-K is the top-K of the tp·K candidates, and
-log p = z/τ - logsumexp(z/τ). Never a [tokens, V] tensor; one [chunk, V_local] block at a time.
+top-K and its row (max, sum-exp) (one Triton kernel on CUDA, ``topk_triton.py``; torch elsewhere),
+and one all-gather of [c, 2K + 2] gives every rank the candidates and the global logsumexp: the
+global top-K is the top-K of the tp·K candidates, and log p = z/τ - logsumexp(z/τ). Never a
+[tokens, V] tensor; one [chunk, V_local] block at a time.
 
 Rows of the output layer beyond ``vocab_size`` (Megatron pads the vocabulary to a multiple of
 128·tp) are not tokens: they are left out of both the top-K and the normalization.
@@ -83,7 +84,7 @@ def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, *,
     ids_out = torch.empty((*lead, k), dtype=torch.int64, device=hidden.device).view(-1, k)
     lps_out = torch.empty((*lead, k), dtype=torch.float32, device=hidden.device).view(-1, k)
     k_local = min(k, vocab_local)
-    use_triton = resolve_impl(impl, hidden) == "triton" and accumulation_dtype(hidden.dtype) == torch.float32
+    use_triton = resolve_impl(impl, hidden) == "triton"  # bf16/fp16/fp32 inputs: fp32 logits blocks
     for a, b, z in _logits_chunks(hidden, weight, tp_group=tp_group, vocab_size=vocab_size,
                                   temperature=temperature, chunk_size=chunk_size, extra_block=not use_triton):
         c = b - a

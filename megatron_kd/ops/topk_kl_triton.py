@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from megatron_kd.ops import topk_kl_torch as chunk_math
+from megatron_kd.ops.triton_lse import LOG2E, lanes_sumexp, online_sumexp
 from megatron_kd.ops.topk_kl_torch import (
     NUM_ROW_STATS,
     ROW_LABEL_LOGIT,
@@ -35,12 +36,6 @@ from megatron_kd.ops.topk_kl_torch import (
     ROW_TARGET_DOT,
     ROW_TEACHER_SUMEXP,
 )
-
-_LOG2E = 1.4426950408889634
-
-
-def block_dtypes() -> tuple[torch.dtype, ...]:
-    return (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _launch_config(vocab_local: int, kernel: str) -> tuple[int, int]:
@@ -78,14 +73,12 @@ def row_stats_kernel(
         offs = start + cols
         z = tl.load(z_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, z)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that never saw a column
-        s_t = s_t * tl.exp2((m - m_ref) * scale_t) + tl.exp2((z - m_ref) * scale_t)
+        s_t = online_sumexp(s_t, m, m_new, z, scale_t)
         if SEPARATE_SUM_1:
-            s_1 = s_1 * tl.exp2((m - m_ref) * 1.4426950408889634) + tl.exp2((z - m_ref) * 1.4426950408889634)
+            s_1 = online_sumexp(s_1, m, m_new, z, LOG2E)
         m = m_new
     row_max = tl.max(m, axis=0)
-    lane_ref = tl.where(m == float("-inf"), row_max, m)
-    sum_t = tl.sum(s_t * tl.exp2((lane_ref - row_max) * scale_t), axis=0)
+    sum_t = lanes_sumexp(s_t, m, row_max, scale_t)
 
     k = tl.arange(0, BLOCK_K)
     kmask = k < K
@@ -104,7 +97,7 @@ def row_stats_kernel(
     tl.store(out + I_TSUM, t_sum)
     if HAS_LABELS:
         if SEPARATE_SUM_1:
-            sum_1 = tl.sum(s_1 * tl.exp2((lane_ref - row_max) * 1.4426950408889634), axis=0)
+            sum_1 = lanes_sumexp(s_1, m, row_max, LOG2E)
         else:
             sum_1 = sum_t
         label_idx = tl.load(label_idx_ptr + row)
@@ -121,7 +114,7 @@ def row_stats_kernel(
 def _dense_grad(z, m, alpha, beta, scale_t, HAS_BETA: tl.constexpr):
     g = alpha * tl.exp2((z - m) * scale_t)
     if HAS_BETA:
-        g += beta * tl.exp2((z - m) * 1.4426950408889634)
+        g += beta * tl.exp2((z - m) * LOG2E)
     return g
 
 
@@ -193,7 +186,7 @@ def local_row_stats(
         teacher.local_idx, teacher.owned, teacher.target_owned,
         label_idx if has_labels else stats, label_owned if has_labels else stats,
         stats, z_s,
-        k, _LOG2E / temperature, V=vocab_local,
+        k, LOG2E.value / temperature, V=vocab_local,
         NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
         I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
         HAS_LABELS=has_labels, SEPARATE_SUM_1=has_labels and temperature != 1.0,
@@ -226,7 +219,7 @@ def logit_grad_(
         teacher.local_idx, teacher.owned, f32(coefs.sparse),
         label_idx if has_labels else alpha, label_owned if has_labels else alpha,
         f32(coefs.label_sparse) if has_labels else alpha,
-        k, _LOG2E / temperature, V=vocab_local,
+        k, LOG2E.value / temperature, V=vocab_local,
         NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_LABEL=ROW_LABEL_LOGIT,
         HAS_BETA=coefs.beta is not None, HAS_LABELS=has_labels,
         BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
+from megatron_kd.ops.triton_lse import LOG2E, lanes_sumexp, online_sumexp
 
 
 @triton.jit
@@ -50,14 +50,12 @@ def topk_candidates_kernel(
         v2 = tl.where(above1, v1, tl.where(above2, z, v2))
         c2 = tl.where(above1, c1, tl.where(above2, offs, c2))
         m_new = tl.maximum(v1, z)
-        m_ref = tl.where(m_new == neg_inf, 0.0, m_new)  # lanes with no finite value yet
-        s = s * tl.exp2((v1 - m_ref) * 1.4426950408889634) + tl.exp2((z - m_ref) * 1.4426950408889634)
+        s = online_sumexp(s, v1, m_new, z, LOG2E)
         c1 = tl.where(above1, offs, c1)
         v1 = m_new
     row_max = tl.max(v1, axis=0)
-    lane_ref = tl.where(v1 == neg_inf, row_max, v1)
     tl.store(max_ptr + row, row_max)
-    tl.store(sumexp_ptr + row, tl.sum(s * tl.exp2((lane_ref - row_max) * 1.4426950408889634), axis=0))
+    tl.store(sumexp_ptr + row, lanes_sumexp(s, v1, row_max, LOG2E))
 
     group_max = tl.max(tl.reshape(v1, [GROUPS, BLOCK_V // GROUPS]), axis=1)
     top_groups = tl.topk(group_max, GROUPS)  # a full descending sort of GROUPS values

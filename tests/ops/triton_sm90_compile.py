@@ -1,0 +1,47 @@
+"""Compile the project's Triton kernels for Hopper (sm_90) without a GPU: Triton's front end and
+ptxas run on the CPU, so CI catches kernels that the interpreter accepts but the compiler does not
+(e.g. a non-constexpr global). Run as a script with TRITON_INTERPRET unset; prints one line per kernel.
+"""
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megatron_kd.ops.topk_kl_triton import logit_grad_kernel, row_stats_kernel
+from megatron_kd.ops.topk_triton import topk_candidates_kernel
+
+GPT_OSS_VOCAB = 201_088
+
+
+def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int):
+    signature = {**types, **{name: "constexpr" for name in constexprs}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    print(f"{fn.__name__}: {len(kernel.asm['ptx'])} bytes of PTX")
+
+
+def main():
+    compile_sm90(
+        topk_candidates_kernel,
+        {"z_ptr": "*fp32", "z_stride": "i64", "max_ptr": "*fp32", "sumexp_ptr": "*fp32", "count_ptr": "*i32",
+         "cand_val_ptr": "*fp32", "cand_col_ptr": "*i32"},
+        {"V": GPT_OSS_VOCAB, "K": 100, "GROUPS": 256, "CAP": 1024, "BLOCK_V": 4096}, num_warps=16,
+    )
+    rows = {"idx_ptr": "*i64", "owned_ptr": "*fp32", "label_idx_ptr": "*i64", "label_owned_ptr": "*fp32",
+            "stats_ptr": "*fp32", "zs_ptr": "*fp32", "K": "i32", "scale_t": "fp32"}
+    stats = {"NUM_STATS": 6, "I_MAX": 0, "I_LABEL": 5, "V": GPT_OSS_VOCAB, "BLOCK_V": 4096, "BLOCK_K": 128}
+    compile_sm90(
+        row_stats_kernel, {"z_ptr": "*bf16", "z_stride": "i64", "target_ptr": "*fp32", **rows},
+        {**stats, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "HAS_LABELS": True, "SEPARATE_SUM_1": True},
+        num_warps=8,
+    )
+    compile_sm90(
+        logit_grad_kernel,
+        {"z_ptr": "*bf16", "z_stride": "i64", "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "sparse_ptr": "*fp32",
+         "label_sparse_ptr": "*fp32", **rows},
+        {**stats, "HAS_BETA": True, "HAS_LABELS": True}, num_warps=4,
+    )
+
+
+if __name__ == "__main__":
+    main()
