@@ -28,11 +28,15 @@ setup(
         "tqdm",
         "matplotlib",
         "tensorboard",
+        # Hugging Face weights in and out (GPT-OSS students and teachers); modelopt imports requests
+        # without declaring it
+        "transformers>=4.55",
+        "nvidia-modelopt==0.47.0",
+        "requests",
     ],
     extras_require={
-        "hf": ["transformers>=4.50"],
-        "test": ["pytest>=8", "pytest-timeout", "transformers>=4.50"],
-        "dev": ["pytest>=8", "pytest-timeout", "transformers>=4.50", "ruff"],
+        "test": ["pytest>=8", "pytest-timeout"],
+        "dev": ["pytest>=8", "pytest-timeout", "ruff"],
     },
     entry_points={"console_scripts": ["megatron-kd=megatron_kd.cli:main"]},
 )

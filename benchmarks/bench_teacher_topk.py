@@ -40,7 +40,7 @@ def main():
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_kd.megatron.model import build_gpt_model
+    from megatron_kd.models.gpt import build_gpt_model
     from megatron_kd.ops.topk import vocab_parallel_topk
     from megatron_kd.teacher.sources import _hidden_and_weight
 

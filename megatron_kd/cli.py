@@ -3,6 +3,7 @@
     megatron-kd demo [--quick]                 end-to-end distillation on CPU (teacher, cache, students)
     megatron-kd train <Megatron-LM flags> --kd-cache PATH ...      student training (GPUs, torchrun)
     megatron-kd cache build <Megatron-LM flags> --kd-cache PATH ...  teacher pass (GPUs, torchrun)
+    megatron-kd export-hf <model flags> --load CKPT --out DIR       student checkpoint -> Hugging Face
     megatron-kd cache inspect PATH [--json]    summary of a teacher cache
     megatron-kd cache verify PATH              check metadata, completeness and every chunk
 
@@ -59,6 +60,12 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_export_hf(args) -> int:
+    from megatron_kd.megatron.export_hf import main as export_main
+
+    return export_main(args.megatron_args)
+
+
 def _cmd_cache_build(args) -> int:
     from megatron_kd.teacher.build import main as build_main
 
@@ -83,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("megatron_args", nargs=argparse.REMAINDER)
     train.set_defaults(func=_cmd_train)
 
+    export = commands.add_parser("export-hf", help="Write a student checkpoint as a Hugging Face directory "
+                                                   "(GPT-OSS; torchrun, 1 GPU): the student's model flags, "
+                                                   "--load CKPT and --out DIR.", add_help=False)
+    export.add_argument("megatron_args", nargs=argparse.REMAINDER)
+    export.set_defaults(func=_cmd_export_hf)
+
     cache = commands.add_parser("cache", help="Teacher top-K caches (Zarr v3 stores).")
     cache_cmds = cache.add_subparsers(dest="cache_command", required=True)
     p = cache_cmds.add_parser("build", help="Teacher pass (GPUs; launch with torchrun): the student's Megatron-LM data "
@@ -102,17 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # train / cache build take Megatron-LM's own flags: hand them over untouched
-    if argv[:1] == ["train"] and argv[1:2] not in (["-h"], ["--help"]):
-        return _cmd_train(argparse.Namespace(megatron_args=argv[1:]))
-    if argv[:2] == ["cache", "build"] and argv[2:3] not in (["-h"], ["--help"]):
-        return _cmd_cache_build(argparse.Namespace(megatron_args=argv[2:]))
-    args = build_parser().parse_args(argv)
     from megatron_kd.cache.codec import CacheError
+    from megatron_kd.models.gpt_oss import ModelConfigError
 
     try:
+        # train / cache build / export-hf take Megatron-LM's own flags: hand them over untouched
+        if argv[:1] == ["train"] and argv[1:2] not in (["-h"], ["--help"]):
+            return _cmd_train(argparse.Namespace(megatron_args=argv[1:]))
+        if argv[:2] == ["cache", "build"] and argv[2:3] not in (["-h"], ["--help"]):
+            return _cmd_cache_build(argparse.Namespace(megatron_args=argv[2:]))
+        if argv[:1] == ["export-hf"] and argv[1:2] not in (["-h"], ["--help"]):
+            return _cmd_export_hf(argparse.Namespace(megatron_args=argv[1:]))
+        args = build_parser().parse_args(argv)
         return args.func(args)
-    except CacheError as e:
+    except (CacheError, ModelConfigError) as e:
         print(f"megatron-kd: error: {e}", file=sys.stderr)
         return 2
 

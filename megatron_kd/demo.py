@@ -82,7 +82,7 @@ def _init_single_process():
 def _model(cfg: DemoConfig, layers: int, hidden: int, vocab: int, seed: int):
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_kd.megatron.model import build_gpt_model
+    from megatron_kd.models.gpt import build_gpt_model
 
     torch.manual_seed(seed)
     config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=cfg.heads,

@@ -1,9 +1,10 @@
 """Multi-process helpers for CPU tests: gloo process groups and megatron-core on CPU.
 
-megatron-core assumes CUDA in two places that the tests reach; ``megatron_cpu_patches`` redirects
+megatron-core assumes CUDA in three places that the tests reach; ``megatron_cpu_patches`` redirects
 them to the CPU for the duration of a test (never in the library):
   1. ``tensor_parallel.random.get_cuda_rng_tracker().fork()`` -> a no-op context;
-  2. ``torch.cuda.current_device()`` and megatron's global memory buffer -> CPU tensors.
+  2. ``torch.cuda.current_device()`` and megatron's global memory buffer -> CPU tensors;
+  3. Megatron-LM's argument validation asks the GPU's architecture when TP > 1 -> Hopper (9).
 """
 
 from __future__ import annotations
@@ -71,17 +72,21 @@ def megatron_cpu_patches():
     """Let megatron-core modules run on CPU tensors (see module docstring)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.training import arguments
 
     tracker = mcore_random.get_cuda_rng_tracker()
-    saved = (torch.cuda.current_device, type(tracker).fork, parallel_state.get_global_memory_buffer)
+    saved = (torch.cuda.current_device, type(tracker).fork, parallel_state.get_global_memory_buffer,
+             arguments.get_device_arch_version)
     buffer = _CpuMemoryBuffer()
     torch.cuda.current_device = lambda: "cpu"
     type(tracker).fork = lambda self, name=None: contextlib.nullcontext()
     parallel_state.get_global_memory_buffer = lambda: buffer
+    arguments.get_device_arch_version = lambda: 9
     try:
         yield
     finally:
-        torch.cuda.current_device, type(tracker).fork, parallel_state.get_global_memory_buffer = saved
+        (torch.cuda.current_device, type(tracker).fork, parallel_state.get_global_memory_buffer,
+         arguments.get_device_arch_version) = saved
 
 
 def init_tensor_parallel(tp_size: int):

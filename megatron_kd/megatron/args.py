@@ -80,8 +80,15 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--kd-capture-temperature", type=float, default=1.0,
                        help="Teacher pass: temperature of the teacher's softmax at capture.")
     group.add_argument("--kd-teacher-hf", type=str, default=None,
-                       help="Teacher pass: a local Hugging Face causal-LM directory to use as the teacher instead "
-                            "of the Megatron model described by the usual flags and --load.")
+                       help="Teacher pass: a local Hugging Face directory to use as the teacher instead of --load. "
+                            "With GPT-OSS model flags it is imported into the Megatron model those flags describe "
+                            "(sharded by tensor / expert parallelism, through nvidia-modelopt); otherwise it runs as "
+                            "a transformers causal LM on each rank.")
+    group.add_argument("--kd-student-hf", type=str, default=None,
+                       help="Initialize the student from a local Hugging Face directory (GPT-OSS: bf16, or MXFP4 "
+                            "experts dequantized) through nvidia-modelopt's importer; it must match the model flags "
+                            "(fewer --num-layers take its first layers). Also the default --tokenizer-model. A "
+                            "checkpoint in --load takes precedence (resuming).")
     return parser
 
 

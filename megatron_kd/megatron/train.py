@@ -14,28 +14,33 @@ no teacher: they report the student's cross-entropy.
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 
-import torch
 
 from megatron_kd.megatron.args import KDConfig, add_kd_args
 from megatron_kd.megatron.kd_data import KDDataset
 from megatron_kd.megatron.loss import KDForwardStep
-from megatron_kd.megatron.model import build_gpt_model
+from megatron_kd.models.gpt import gpt_model_from_args
+from megatron_kd.models.hf import hf_vocab_rows, init_from_hf
+
+
+def has_checkpoint(load_dir: str | None) -> bool:
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    return bool(load_dir) and os.path.isfile(get_checkpoint_tracker_filename(load_dir))
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """The student (or teacher) GPTModel from the flags; ``--kd-student-hf`` weights unless resuming."""
     from megatron.training import get_args
-    from megatron.training.argument_utils import core_transformer_config_from_args
 
     args = get_args()
-    config = config or core_transformer_config_from_args(args)
-    return build_gpt_model(
-        config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-        position_embedding_type=args.position_embedding_type, pre_process=pre_process, post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-    )
+    model = gpt_model_from_args(args, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    if args.kd_student_hf and not has_checkpoint(args.load):
+        init_from_hf(model, args.kd_student_hf, args)
+    return model
 
 
 def gpt_dataset_config(args, tokenizer):
@@ -150,9 +155,29 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     use_prebuilt_dataset_helpers()
-    args = parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults=args_defaults or {})
+    defaults = dict(args_defaults or {})
+    hf_dir = _flag_value(sys.argv, "--kd-student-hf") or _flag_value(sys.argv, "--kd-teacher-hf")
+    if hf_dir:  # a Hugging Face model brings its own tokenizer
+        defaults.setdefault("tokenizer_model", hf_dir)
+    args = parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults=defaults)
     KDConfig.from_args(args)  # validate --kd-* before any GPU work
+    if hf_dir and args.padded_vocab_size < hf_vocab_rows(hf_dir):
+        # the checkpoint's embedding has more rows than the tokenizer has tokens (GPT-OSS: 201,088 rows):
+        # keep them all, padded as Megatron pads (a multiple of --make-vocab-size-divisible-by x TP)
+        multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+        args.padded_vocab_size = -(-hf_vocab_rows(hf_dir) // multiple) * multiple
     return args
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` / ``flag=VALUE`` in argv (before Megatron parses it)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:

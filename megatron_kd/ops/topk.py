@@ -125,7 +125,7 @@ def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws:
     over the vocabulary shards by their probability mass (same ``generator`` state on every TP
     rank, so all agree), then draws its share from its own shard (generator offset by rank).
     """
-    rank, tp = group_rank(tp_group), group_size(tp_group)
+    rank = group_rank(tp_group)
     vocab_local = weight.shape[0]
     lead, n = hidden.shape[:-1], num_draws
     ids_out = torch.empty((*lead, n), dtype=torch.int64, device=hidden.device).view(-1, n)
@@ -133,7 +133,6 @@ def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws:
     local_gen = torch.Generator(device=hidden.device).manual_seed(int(generator.initial_seed()) + 7919 * (rank + 1))
     for a, b, z in _logits_chunks(hidden, weight, tp_group=tp_group, vocab_size=vocab_size,
                                   temperature=temperature, chunk_size=chunk_size):
-        c = b - a
         row_max, sumexp = _local_max_sumexp_(z)  # z now holds unnormalized local probabilities
         stats = all_gather_stack(torch.stack([row_max, sumexp], -1), tp_group)  # [tp, c, 2]
         shard_mass = (stats[..., 1] * (stats[..., 0] - stats[..., 0].amax(0)).exp()).t()  # [c, tp]

@@ -28,7 +28,6 @@ from megatron_kd.ops.comm import (
     all_reduce_sum_,
     gather_first_dim,
     group_rank,
-    group_size,
     reduce_scatter_first_dim,
 )
 from megatron_kd.ops.topk_kl import TopKKLOptions

@@ -21,7 +21,8 @@ from megatron_kd.cache import CacheError, CacheWriter
 from megatron_kd.cache.inspect import store_bytes
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 from megatron_kd.teacher.capture import CaptureConfig, capture_teacher
-from megatron_kd.teacher.sources import HFTeacher, MegatronTeacher
+from megatron_kd.models.gpt_oss import is_gpt_oss
+from megatron_kd.teacher.sources import HFTeacher, MegatronTeacher, hf_config_fingerprint
 
 
 def check_teacher_vocab(teacher_vocab: int, tokenizer, *, source: str) -> None:
@@ -48,21 +49,29 @@ def _hf_teacher(path: str, tokenizer, device) -> HFTeacher:
 
 
 def _megatron_teacher(args, tokenizer) -> MegatronTeacher:
+    """The teacher the model flags describe, from --load or (GPT-OSS) a Hugging Face directory."""
+    import transformers
     from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.training import get_model
 
     from megatron_kd.megatron.train import model_provider
+    from megatron_kd.models.hf import init_from_hf
 
     if args.pipeline_model_parallel_size > 1:
         raise CacheError("the teacher pass runs Megatron teachers with --pipeline-model-parallel-size 1 "
                          "(use tensor / expert parallelism to fit the teacher)")
-    if args.load is None:
+    if args.load is None and args.kd_teacher_hf is None:
         raise CacheError("the teacher pass needs the teacher checkpoint: --load CKPT_DIR (or --kd-teacher-hf DIR)")
     model = get_model(model_provider, wrap_with_ddp=False)
-    iteration, _ = load_checkpoint(model, None, None, strict=True)
-    check_teacher_vocab(args.padded_vocab_size, tokenizer, source=args.load)
-    fingerprint = f"megatron:{args.load}:layers={args.num_layers}:hidden={args.hidden_size}:iter={iteration}"
+    if args.load is not None:
+        iteration, _ = load_checkpoint(model, None, None, strict=True)
+        fingerprint = f"megatron:{args.load}:layers={args.num_layers}:hidden={args.hidden_size}:iter={iteration}"
+    else:
+        init_from_hf(unwrap_model(model[0]), args.kd_teacher_hf, args)
+        fingerprint = hf_config_fingerprint(transformers.AutoConfig.from_pretrained(args.kd_teacher_hf))
+    check_teacher_vocab(args.padded_vocab_size, tokenizer, source=args.load or args.kd_teacher_hf)
     return MegatronTeacher(model[0].eval(), tp_group=parallel_state.get_tensor_model_parallel_group(),
                            sequence_parallel=args.sequence_parallel, vocab_size=tokenizer.vocab_size,
                            fingerprint=fingerprint)
@@ -85,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     # the student's splits; every rank of a model replica reads the samples it feeds the teacher
     sizes = list(get_train_valid_test_num_samples())
     (train, _, _), tokenizer = build_datasets(sizes, is_built_on_rank=lambda *a, **k: True)
-    teacher = _hf_teacher(args.kd_teacher_hf, tokenizer, device) if args.kd_teacher_hf \
+    # GPT-OSS teachers run as Megatron models (sharded by TP / EP), other HF teachers through transformers
+    teacher = _hf_teacher(args.kd_teacher_hf, tokenizer, device) if args.kd_teacher_hf and not is_gpt_oss(args) \
         else _megatron_teacher(args, tokenizer)
 
     mode = args.kd_cache_mode

@@ -39,6 +39,12 @@ class MegatronTeacher:
         return hidden, weight
 
 
+def hf_config_fingerprint(config) -> str:
+    """Fingerprint of a Hugging Face teacher: its config (the same for either way of running it)."""
+    text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return "hf-" + hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
 class HFTeacher:
     """A Hugging Face transformers causal LM whose logits are ``lm_head(final hidden states)``."""
 
@@ -50,8 +56,7 @@ class HFTeacher:
         self.head = head
         self.tp_group = None
         self.vocab_size = int(model.config.vocab_size)
-        config = json.dumps(model.config.to_dict(), sort_keys=True, default=str)
-        self.fingerprint = "hf-" + hashlib.sha256(config.encode()).hexdigest()[:24]
+        self.fingerprint = hf_config_fingerprint(model.config)
         self._checked = False
 
     @torch.no_grad()

@@ -32,7 +32,7 @@ K = 8
 def _student(tp, sequence_parallel):
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_kd.megatron.model import build_gpt_model
+    from megatron_kd.models.gpt import build_gpt_model
 
     torch.manual_seed(0)
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,

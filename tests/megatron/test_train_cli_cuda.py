@@ -7,14 +7,13 @@
 Launched with torchrun on 1 GPU (and TP=2 on 2 GPUs when the machine has them).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from cli_utils import run_cli
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -58,38 +57,26 @@ def _model(layers: int, hidden: int) -> list[str]:
             "--ffn-hidden-size", str(4 * hidden)]
 
 
-def _run(args: list[str], tmp: Path, name: str, gpus: int, expect_ok=True) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
-           "-m", "megatron_kd.cli", *args]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    log = proc.stdout + proc.stderr
-    (tmp / f"{name}.log").write_text(log)
-    if expect_ok:
-        assert proc.returncode == 0, f"{name} failed:\n{log[-6000:]}"
-    return log
-
-
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
                                                                                reason="needs 2 GPUs"))])
 def test_teacher_cache_student_pipeline(tmp_path, tp):
     data = _data(tmp_path)
     teacher_ckpt = tmp_path / "teacher"
-    _run(["train", *_common(data, tmp_path, 60, tp), *_model(4, 256), "--save", str(teacher_ckpt),
+    run_cli(["train", *_common(data, tmp_path, 60, tp), *_model(4, 256), "--save", str(teacher_ckpt),
           "--save-interval", "60"], tmp_path, "teacher", tp)
 
     cache = tmp_path / "cache"
     student_iters = 30
-    log = _run(["cache", "build", *_common(data, tmp_path, student_iters, tp), *_model(4, 256),
+    log = run_cli(["cache", "build", *_common(data, tmp_path, student_iters, tp), *_model(4, 256),
                 "--load", str(teacher_ckpt), "--kd-cache", str(cache), "--kd-topk", "16"], tmp_path, "build", tp)
     assert f"{student_iters * 8} samples" in log, log[-3000:]
 
-    log = _run(["train", *_common(data, tmp_path, student_iters, tp), *_model(2, 128), "--kd-cache", str(cache),
+    log = run_cli(["train", *_common(data, tmp_path, student_iters, tp), *_model(2, 128), "--kd-cache", str(cache),
                 "--kd-tail", "ghost", "--tensorboard-dir", str(tmp_path / "tb")], tmp_path, "student", tp)
     assert "kd loss" in log and "teacher mass" in log, log[-3000:]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
     other = _data(tmp_path, seed=1)
-    log = _run(["train", *_common(other, tmp_path, student_iters, tp), *_model(2, 128), "--kd-cache", str(cache)],
+    log = run_cli(["train", *_common(other, tmp_path, student_iters, tp), *_model(2, 128), "--kd-cache", str(cache)],
                tmp_path, "mismatch", tp, expect_ok=False)
     assert "dataset_fingerprint" in log, log[-3000:]

@@ -21,7 +21,7 @@ from megatron_kd.cache import CacheReader, CacheWriter
 from megatron_kd.megatron.data import ByteTokenizer
 from megatron_kd.ops.topk import vocab_parallel_sample
 from megatron_kd.teacher import CaptureConfig, HFTeacher, MegatronTeacher, capture_teacher
-from tiny_teacher import K, PADDED_VOCAB, SEQ, make_dataset, tiny_model
+from tiny_teacher import K, SEQ, make_dataset, tiny_model
 
 VOCAB = ByteTokenizer().vocab_size  # 258 real tokens; rows 258..263 are padding
 

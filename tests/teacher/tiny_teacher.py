@@ -26,7 +26,7 @@ def tiny_model(tp: int, seed: int = 0):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: F401
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_kd.megatron.model import build_gpt_model
+    from megatron_kd.models.gpt import build_gpt_model
 
     torch.manual_seed(seed)
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,

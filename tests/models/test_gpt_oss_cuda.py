@@ -1,0 +1,78 @@
+"""The GPT-OSS workflow on a GPU through the CLI (skipped without CUDA; CI is CPU-only):
+
+1. ``cache build --kd-teacher-hf HF`` with GPT-OSS flags: the teacher is the Megatron model the flags
+   describe, its weights imported from the Hugging Face directory (ModelOpt), written to a cache
+2. ``train --kd-student-hf HF --lr 0``: the student starts from the same directory, distills for two
+   steps without moving, saves; ``export-hf`` gives back the directory's tensors (bf16) exactly
+3. ``train --kd-student-hf HF`` with a learning rate: kd loss and teacher mass reported; its export
+   loads in transformers and differs from where it started
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cli_utils import run_cli  # noqa: E402
+from tiny_gpt_oss import TINY_ARCH, TOKENIZER_TOKENS, make_tiny_gpt_oss, recipe_flags  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+EOD = 1  # the tiny tokenizer's <eos>
+
+
+def _flags(tmp: Path, data: str, iters: int) -> list[str]:
+    return [*recipe_flags("20b", layout=False), *TINY_ARCH, "--seq-length", "64", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", str(iters), "--data-path", data, "--split", "90,5,5",
+            "--bf16", "--seed", "3", "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1",
+            "--num-workers", "0", "--data-cache-path", str(tmp / "index-cache")]
+
+
+def _tensors(path: Path) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def test_gpt_oss_teacher_student_export(tmp_path):
+    from megatron_kd.megatron.data import write_indexed_dataset
+
+    hf = make_tiny_gpt_oss(tmp_path / "hf")
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(3, TOKENIZER_TOKENS, int(rng.integers(50, 200)))) + [EOD] for _ in range(200)]
+    data = str(write_indexed_dataset(tmp_path / "data" / "docs", docs, TOKENIZER_TOKENS))
+    cache = tmp_path / "cache"
+    log = run_cli(["cache", "build", *_flags(tmp_path, data, 2), "--kd-teacher-hf", str(hf), "--kd-cache", str(cache),
+                "--kd-topk", "16"], tmp_path, "build", 1)
+    assert "8 samples" in log, log[-3000:]
+
+    frozen = tmp_path / "frozen"
+    log = run_cli(["train", *_flags(tmp_path, data, 2), "--kd-student-hf", str(hf), "--kd-cache", str(cache),
+                "--lr", "0", "--save", str(frozen), "--save-interval", "2"], tmp_path, "frozen", 1)
+    assert "kd loss" in log, log[-3000:]
+    run_cli(["export-hf", *_flags(tmp_path, data, 2), "--load", str(frozen), "--kd-student-hf", str(hf), "--out", str(tmp_path / "frozen-hf")],
+         tmp_path, "export-frozen", 1)
+    before, after = _tensors(hf), _tensors(tmp_path / "frozen-hf")
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key].to(torch.bfloat16), after[key]), key
+
+    trained = tmp_path / "trained"
+    log = run_cli(["train", *_flags(tmp_path, data, 2), "--kd-student-hf", str(hf), "--kd-cache", str(cache),
+                "--lr", "1e-3", "--save", str(trained), "--save-interval", "2"], tmp_path, "trained", 1)
+    assert "teacher mass" in log, log[-3000:]
+    run_cli(["export-hf", *_flags(tmp_path, data, 2), "--load", str(trained), "--kd-student-hf", str(hf), "--out", str(tmp_path / "trained-hf")],
+         tmp_path, "export-trained", 1)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trained-hf", dtype=torch.float32)
+    logits = model(input_ids=torch.tensor([docs[0][:32]])).logits
+    assert torch.isfinite(logits).all()
+    moved = _tensors(tmp_path / "trained-hf")
+    assert not torch.equal(before["lm_head.weight"].to(torch.bfloat16), moved["lm_head.weight"])
