@@ -1,6 +1,6 @@
 """Public entry point of the top-K distillation loss: ``fused_topk_kl``.
 
-Design (DESIGN.md §1-2): the student's logits z = hidden · weightᵀ are never materialized for all
+Design (docs/DESIGN.md §1-2): the student's logits z = hidden · weightᵀ are never materialized for all
 tokens. The op walks the tokens in chunks; per chunk it projects to this rank's vocabulary shard,
 combines the row statistics (max, sum-exp, the K sparse teacher terms) across tensor-parallel
 ranks with one small all-gather, forms the gradient of the chunk's logits in place and projects it
@@ -50,7 +50,7 @@ class TopKKLOptions:
     """Softmax temperature τ of the student; the cached teacher is tempered inside its top-K."""
 
     tail: Literal["none", "renorm", "ghost"] = "none"
-    """How the teacher mass outside the top-K is treated (DESIGN.md §1 table)."""
+    """How the teacher mass outside the top-K is treated (docs/DESIGN.md §1 table)."""
 
     reduction: Literal["sum", "mean"] = "sum"
     """"sum" over masked tokens, or "mean" = sum / Σ loss_mask (0 when everything is masked)."""

@@ -1,7 +1,7 @@
 """``topk_kl_reference``: the ground truth for ``fused_topk_kl``, and the dense baseline.
 
 Materializes the full [tokens, V] logits, writes every tail straight from the formulas of
-DESIGN.md §1 and lets autograd differentiate them, so it shares no gradient algebra with the fused
+docs/DESIGN.md §1 and lets autograd differentiate them, so it shares no gradient algebra with the fused
 op. Computes in float32 for bf16/fp16/fp32 inputs and in float64 for float64 inputs. Under tensor
 parallelism the logits are gathered with Megatron-Core's own autograd mappings.
 """

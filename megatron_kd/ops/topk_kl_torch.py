@@ -11,7 +11,7 @@ GEMMs and the tensor-parallel all-gather between them:
    ``grad_coefficients``  per-row coefficients of dLoss/dz (shared with the Triton path);
    ``logit_grad_``        e -> dLoss/dz in place, ready for grad_h = G·W and grad_W += Gᵀ·h.
 
-Notation (DESIGN.md §1): u = z/τ, q = softmax(u) over the full vocabulary, S the valid cached
+Notation (docs/DESIGN.md §1): u = z/τ, q = softmax(u) over the full vocabulary, S the valid cached
 entries, p the (tempered) teacher probabilities on S with mass M, Q = Σ_S q.
 Every tail's loss is  L = C - Σ_S B_v u_v + A·lse(u)  (+ the ghost term), with
     none:   B = p,     A = M,                   C = Σ p log p
@@ -222,7 +222,7 @@ def grad_coefficients(
     if tail == "ghost":
         # d/du of -(1-M) log(1-Q) is r·(q_v [v∈S] - q_v Q) with r = (1-M)/(1-Q); 1-M is clamped at 0
         # exactly as in the loss (cached masses can round above 1). For M <= 1 the dense
-        # coefficient is (M-Q)/(1-Q) and the S entries get q_v - p_v, as in DESIGN.md §1.
+        # coefficient is (M-Q)/(1-Q) and the S entries get q_v - p_v, as in docs/DESIGN.md §1.
         ghost_ratio = (1.0 - teacher.mass).clamp_min(0.0) / _ghost_one_minus_q(rs)
         dense_coef = teacher.mass - ghost_ratio * rs.student_mass
     else:
