@@ -1,10 +1,11 @@
 """Multi-process helpers for CPU tests: gloo process groups and megatron-core on CPU.
 
-megatron-core assumes CUDA in three places that the tests reach; ``megatron_cpu_patches`` redirects
+megatron-core assumes CUDA in four places that the tests reach; ``megatron_cpu_patches`` redirects
 them to the CPU for the duration of a test (never in the library):
   1. ``tensor_parallel.random.get_cuda_rng_tracker().fork()`` -> a no-op context;
   2. ``torch.cuda.current_device()`` and megatron's global memory buffer -> CPU tensors;
-  3. Megatron-LM's argument validation asks the GPU's architecture when TP > 1 -> Hopper (9).
+  3. Megatron-LM's argument validation asks the GPU's architecture when TP > 1 -> Hopper (9);
+  4. the causal / sliding-window masks of its local attention softmax -> built on the CPU.
 """
 
 from __future__ import annotations
@@ -67,26 +68,42 @@ class _CpuMemoryBuffer:
         return self.buffer[key][:numel].view(*shape)
 
 
+def _cpu_causal_mask(sq):
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def _cpu_window_mask(sq, skv, window):
+    # megatron-core's get_sliding_window_causal_mask, on the CPU: True = masked
+    keep = torch.ones(sq, skv, dtype=torch.bool)
+    keep = torch.tril(torch.triu(keep, diagonal=skv - sq - window[0]), diagonal=skv - sq + window[1])
+    return ~keep
+
+
 @contextlib.contextmanager
 def megatron_cpu_patches():
     """Let megatron-core modules run on CPU tensors (see module docstring)."""
     from megatron.core import parallel_state
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.training import arguments
 
     tracker = mcore_random.get_cuda_rng_tracker()
     saved = (torch.cuda.current_device, type(tracker).fork, parallel_state.get_global_memory_buffer,
-             arguments.get_device_arch_version)
+             arguments.get_device_arch_version, fused_softmax.get_default_causal_mask,
+             fused_softmax.get_sliding_window_causal_mask)
     buffer = _CpuMemoryBuffer()
     torch.cuda.current_device = lambda: "cpu"
     type(tracker).fork = lambda self, name=None: contextlib.nullcontext()
     parallel_state.get_global_memory_buffer = lambda: buffer
     arguments.get_device_arch_version = lambda: 9
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = _cpu_window_mask
     try:
         yield
     finally:
         (torch.cuda.current_device, type(tracker).fork, parallel_state.get_global_memory_buffer,
-         arguments.get_device_arch_version) = saved
+         arguments.get_device_arch_version, fused_softmax.get_default_causal_mask,
+         fused_softmax.get_sliding_window_causal_mask) = saved
 
 
 def init_tensor_parallel(tp_size: int):

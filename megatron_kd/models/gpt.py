@@ -1,8 +1,9 @@
 """GPT models for teachers and students: megatron-core's GPTModel with the right layer spec.
 
 With Transformer Engine importable the TE layer spec is used (what Megatron-LM recipes train with);
-without it, megatron-core's local spec with our ``CoreAttention`` (``attention.py``) as core
-attention, so long contexts, sliding windows, attention sinks and CPU runs work without TE.
+without it, megatron-core's local spec with our ``CoreAttention`` (``attention.py``: flex / cuDNN
+attention with sliding windows and sinks) and ``GroupedGemmExperts`` (``experts.py``), so long
+contexts, GPT-OSS and CPU runs work without TE.
 
 ``gpt_model_from_args`` is what ``megatron-kd train``, ``cache build`` and ``export-hf`` build:
 the model Megatron-LM's ``pretrain_gpt`` builds from the same flags (rotary / YaRN settings
@@ -12,6 +13,7 @@ included), with megatron-core's known numerical traps for GPT-OSS-style models c
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 
@@ -51,13 +53,16 @@ def gpt_layer_spec(config: TransformerConfig, *, use_te: bool | None = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_kd.models.attention import CoreAttention
-    from megatron_kd.models.experts import ExpertRowParallelLinear
+    from megatron_kd.models.experts import ExpertRowParallelLinear, GroupedGemmExperts
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization=config.normalization)
     spec.submodules.self_attention.submodules.core_attention = CoreAttention
-    if config.num_moe_experts and not config.moe_grouped_gemm:
-        spec.submodules.mlp.keywords["submodules"].experts.keywords["submodules"].linear_fc2 = ExpertRowParallelLinear
+    if config.num_moe_experts:
+        moe = spec.submodules.mlp.keywords["submodules"]
+        experts = moe.experts.keywords["submodules"]
+        experts.linear_fc2 = ExpertRowParallelLinear
+        moe.experts = functools.partial(GroupedGemmExperts, submodules=experts)
     return spec
 
 
