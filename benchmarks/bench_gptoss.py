@@ -124,7 +124,7 @@ def step_stats(model, forward_step, batch, steps: int, device) -> dict:
     return {"step_s": sorted(times)[len(times) // 2], "peak_gib": peak}
 
 
-def layer_bench(args, seq: int, device) -> dict:
+def attention_bench(args, seq: int, device) -> dict:
     from cuda_timing import cuda_median_ms
 
     from megatron_kd.models.attention import core_attention
@@ -141,18 +141,22 @@ def layer_bench(args, seq: int, device) -> dict:
         def run(impl=impl, window=window, s=s):
             core_attention(q, k, v, scale=d ** -0.5, window=window, sink=s, impl=impl).backward(d_out)
         out[f"attention fwd+bwd ms: {name}"] = cuda_median_ms(run, reps=5)
-    del q, k, v, d_out
+    return out
 
+
+def experts_bench(args, seq: int, device) -> dict:
+    from cuda_timing import cuda_median_ms
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     from megatron_kd.models.experts import ExpertRowParallelLinear, GroupedGemmExperts
-    from megatron_kd.models.gpt import correct_config
-
     from megatron.training.argument_utils import core_transformer_config_from_args
 
+    from megatron_kd.models.gpt import correct_config
+
+    out = {}
     config = correct_config(core_transformer_config_from_args(args))
     experts = args.num_experts // args.expert_model_parallel_size
     sub = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=ExpertRowParallelLinear)
@@ -218,7 +222,7 @@ def run(opts, device):
     results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "gpus": torch.distributed.get_world_size(),
                "layers": opts.layers, "seq": opts.seq, "ep": opts.ep}
     if opts.layer_bench and cuda:
-        results["layers_ms"] = layer_bench(args, opts.seq, device)
+        results["layers_ms"] = {**attention_bench(args, opts.seq, device), **experts_bench(args, opts.seq, device)}
 
     module = gpt_model_from_args(args)
     if cuda:
