@@ -46,6 +46,7 @@ def parse():
     p.add_argument("--losses", default="ce,fused,dense")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--layer-bench", action="store_true")
+    p.add_argument("--profile-experts", action="store_true", help="print the kernel breakdown of the grouped experts")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
@@ -144,7 +145,7 @@ def attention_bench(args, seq: int, device) -> dict:
     return out
 
 
-def experts_bench(args, seq: int, device) -> dict:
+def experts_bench(args, seq: int, device, profile: bool = False) -> dict:
     from cuda_timing import cuda_median_ms
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -172,6 +173,11 @@ def experts_bench(args, seq: int, device) -> dict:
         def run(module=module):
             module(x, counts, probs)[0].backward(d_x)
         out[f"experts fwd+bwd ms: {name} ({experts} experts, {tokens} routed tokens)"] = cuda_median_ms(run, reps=5)
+        if profile and name == "grouped":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15), flush=True)
         del module
     return out
 
@@ -222,7 +228,7 @@ def run(opts, device):
     results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "gpus": torch.distributed.get_world_size(),
                "layers": opts.layers, "seq": opts.seq, "ep": opts.ep}
     if opts.layer_bench and cuda:
-        results["layers_ms"] = {**attention_bench(args, opts.seq, device), **experts_bench(args, opts.seq, device)}
+        results["layers_ms"] = {**attention_bench(args, opts.seq, device), **experts_bench(args, opts.seq, device, opts.profile_experts)}
 
     module = gpt_model_from_args(args)
     if cuda:
