@@ -7,7 +7,9 @@
     megatron-kd cache inspect PATH [--json]    summary of a teacher cache
     megatron-kd cache verify PATH              check metadata, completeness and every chunk
 
-Errors in the input print one line to stderr and exit with status 2.
+``train``, ``cache build`` and ``export-hf`` take every Megatron-LM flag: ``--help`` lists ours,
+``--help-megatron`` Megatron-LM's. Errors in the input print one line to stderr and exit with
+status 2.
 """
 
 from __future__ import annotations
@@ -72,6 +74,45 @@ def _cmd_cache_build(args) -> int:
     return build_main(args.megatron_args)
 
 
+MEGATRON_COMMANDS = {
+    ("train",): "Distill a student (or pretrain without --kd-cache) with megatron.training; launch with torchrun.",
+    ("cache", "build"): "Teacher pass: the student run's data flags, the teacher's model flags and --load "
+                        "(or --kd-teacher-hf), and --kd-cache PATH; launch with torchrun.",
+    ("export-hf",): "Write a student checkpoint as a Hugging Face directory: the student's model flags, "
+                    "--load CKPT and --out DIR (torchrun, one GPU).",
+}
+
+
+def _megatron_command_help(command: tuple[str, ...], megatron: bool) -> int:
+    """``--help``: our flags, and how to list Megatron-LM's (``--help-megatron``: all of them)."""
+    from megatron_kd.megatron.args import add_kd_args
+
+    name = " ".join(command)
+    if megatron:  # listed by hand: argparse cannot format some of Megatron-LM's help strings (a bare %)
+        import textwrap
+
+        from megatron_kd.megatron.train import megatron_parser
+
+        for group in megatron_parser(prog=f"megatron-kd {name}")._action_groups:
+            actions = [a for a in group._group_actions if a.option_strings and a.help != argparse.SUPPRESS]
+            if actions:
+                print(f"\n{group.title}:")
+            for action in actions:
+                print("  " + ", ".join(action.option_strings))
+                if action.help:
+                    print(textwrap.indent(textwrap.fill(" ".join(action.help.split()), 90), "      "))
+        return 0
+    parser = argparse.ArgumentParser(
+        prog=f"megatron-kd {name}", usage=f"megatron-kd {name} <Megatron-LM flags> [--kd-* flags]",
+        description=MEGATRON_COMMANDS[command], add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"Every Megatron-LM flag is accepted as well: megatron-kd {name} --help-megatron lists them.\n"
+               "Missing, unknown or invalid flags stop with one line and exit status 2.")
+    if command == ("export-hf",):
+        parser.add_argument("--out", metavar="DIR", help="Where to write the Hugging Face directory.")
+    add_kd_args(parser).print_help()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_kd.demo import DemoConfig
 
@@ -116,19 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from megatron_kd.cache.codec import CacheError
-    from megatron_kd.models.gpt_oss import ModelConfigError
+    from megatron_kd.errors import UserError
 
+    commands = {("train",): _cmd_train, ("cache", "build"): _cmd_cache_build, ("export-hf",): _cmd_export_hf}
     try:
         # train / cache build / export-hf take Megatron-LM's own flags: hand them over untouched
-        if argv[:1] == ["train"] and argv[1:2] not in (["-h"], ["--help"]):
-            return _cmd_train(argparse.Namespace(megatron_args=argv[1:]))
-        if argv[:2] == ["cache", "build"] and argv[2:3] not in (["-h"], ["--help"]):
-            return _cmd_cache_build(argparse.Namespace(megatron_args=argv[2:]))
-        if argv[:1] == ["export-hf"] and argv[1:2] not in (["-h"], ["--help"]):
-            return _cmd_export_hf(argparse.Namespace(megatron_args=argv[1:]))
+        for command, run in commands.items():
+            if tuple(argv[:len(command)]) == command:
+                rest = argv[len(command):]
+                if any(a in ("-h", "--help", "--help-megatron") for a in rest):
+                    return _megatron_command_help(command, megatron="--help-megatron" in rest)
+                return run(argparse.Namespace(megatron_args=rest))
         args = build_parser().parse_args(argv)
         return args.func(args)
-    except (CacheError, ModelConfigError) as e:
+    except (CacheError, UserError) as e:
         print(f"megatron-kd: error: {e}", file=sys.stderr)
         return 2
 

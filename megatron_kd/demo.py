@@ -50,6 +50,31 @@ class DemoConfig:
     seed: int = 1234
     log_interval: int = 25
 
+    def __post_init__(self):
+        # checked before any work: a bad value must not surface after minutes of training
+        from megatron_kd.errors import FlagError
+        from megatron_kd.ops import TAILS
+
+        if self.kd_tail not in TAILS:
+            raise FlagError(f"--kd-tail must be one of {TAILS}, got {self.kd_tail!r}")
+        positive = ("seq_length", "micro_batch_size", "corpus_bytes", "teacher_layers", "teacher_hidden",
+                    "student_layers", "student_hidden", "heads", "teacher_steps", "student_steps", "eval_samples",
+                    "topk", "log_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise FlagError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "kd_temperature"):
+            if getattr(self, name) <= 0:
+                raise FlagError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if self.kd_ce_weight < 0:
+            raise FlagError(f"--kd-ce-weight must be >= 0, got {self.kd_ce_weight}")
+        for hidden in ("teacher_hidden", "student_hidden"):
+            if getattr(self, hidden) % self.heads:
+                raise FlagError(f"--{hidden.replace('_', '-')} ({getattr(self, hidden)}) must be divisible by "
+                                f"--heads ({self.heads})")
+        if self.topk > 258:
+            raise FlagError(f"--topk must be <= 258 (the byte vocabulary), got {self.topk}")
+
 
 def read_corpus(max_bytes: int) -> list[str]:
     """The standard library's top-level .py files (under 100 KB each), sorted by name, up to ``max_bytes``."""

@@ -14,11 +14,14 @@ no teacher: they report the student's cross-entropy.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+import traceback
 from functools import partial
 
 
+from megatron_kd.errors import FlagError
 from megatron_kd.megatron.args import KDConfig, add_kd_args
 from megatron_kd.megatron.kd_data import KDDataset
 from megatron_kd.megatron.loss import KDForwardStep
@@ -145,22 +148,63 @@ def _forward_step_impl():
     return _FORWARD
 
 
+# Flags Megatron-LM's validation needs (it asserts without a message when one is missing).
+REQUIRED_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+    "seq_length": "--seq-length", "micro_batch_size": "--micro-batch-size", "tokenizer_type": "--tokenizer-type",
+}
+
+
+def megatron_parser(prog: str = "megatron-kd") -> argparse.ArgumentParser:
+    """Megatron-LM's own argument parser with the --kd-* group, raising instead of exiting."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, exit_on_error=False)
+    return add_kd_args(add_megatron_arguments(parser))
+
+
+def check_megatron_flags(argv: list[str]) -> None:
+    """Unknown flags, bad values and missing required flags as one ``FlagError`` line, before
+    Megatron-LM's parser prints its usage (hundreds of lines) or asserts without a message."""
+    try:
+        known, unknown = megatron_parser().parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise FlagError(str(e)) from None
+    if unknown:
+        raise FlagError(f"unrecognized arguments: {' '.join(unknown)} (--help lists the --kd-* flags, "
+                        f"--help-megatron all of Megatron-LM's)")
+    missing = [flag for dest, flag in REQUIRED_FLAGS.items() if getattr(known, dest, None) is None]
+    if known.train_iters is None and known.train_samples is None:
+        missing.append("--train-iters (or --train-samples)")
+    if missing:
+        raise FlagError(f"missing required flags: {', '.join(missing)}")
+    try:
+        KDConfig.from_args(known)
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+
+
 def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = None):
     """Megatron-LM's argument parsing (global args, tokenizer) with the --kd-* group added; shared
-    by ``megatron-kd train`` and ``megatron-kd cache build``."""
+    by ``megatron-kd train``, ``cache build`` and ``export-hf``. Mistakes raise ``FlagError``."""
     from megatron.training.arguments import parse_and_validate_args
 
     from megatron_kd.megatron.compat import use_prebuilt_dataset_helpers
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    check_megatron_flags(sys.argv[1:])
     use_prebuilt_dataset_helpers()
     defaults = dict(args_defaults or {})
     hf_dir = _flag_value(sys.argv, "--kd-student-hf") or _flag_value(sys.argv, "--kd-teacher-hf")
     if hf_dir:  # a Hugging Face model brings its own tokenizer
         defaults.setdefault("tokenizer_model", hf_dir)
-    args = parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults=defaults)
-    KDConfig.from_args(args)  # validate --kd-* before any GPU work
+    try:
+        args = parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults=defaults)
+    except AssertionError as e:  # Megatron-LM's validation: the message, else the failing check itself
+        check = str(e) or traceback.extract_tb(e.__traceback__)[-1].line
+        raise FlagError(f"Megatron-LM rejected the arguments: {check}") from None
+
     if hf_dir and args.padded_vocab_size < hf_vocab_rows(hf_dir):
         # the checkpoint's embedding has more rows than the tokenizer has tokens (GPT-OSS: 201,088 rows):
         # keep them all, padded as Megatron pads (a multiple of --make-vocab-size-divisible-by x TP)

@@ -19,8 +19,10 @@ with megatron-core 0.19's conventions:
 
 from __future__ import annotations
 
+from megatron_kd.errors import UserError
 
-class ModelConfigError(ValueError):
+
+class ModelConfigError(UserError):
     """A model flag does not match a Hugging Face config (or is not GPT-OSS); one-line message."""
 
 
