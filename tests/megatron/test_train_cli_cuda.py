@@ -4,9 +4,12 @@
 2. ``megatron-kd cache build`` loads it (--load) and writes the cache for a student run's samples
 3. ``megatron-kd train --kd-cache`` distills a smaller student; its log reports kd loss
 4. a cache built for other data stops the student at start-up with the dataset-fingerprint error
+5. a distillation killed after 6 of 12 iterations (``--exit-interval``) and relaunched with ``--load``
+   continues with the same losses as an uninterrupted run (same samples, same teacher rows)
 Launched with torchrun on 1 GPU (and TP=2 on 2 GPUs when the machine has them).
 """
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -80,3 +83,32 @@ def test_teacher_cache_student_pipeline(tmp_path, tp):
     log = run_cli(["train", *_common(other, tmp_path, student_iters, tp), *_model(2, 128), "--kd-cache", str(cache)],
                tmp_path, "mismatch", tp, expect_ok=False)
     assert "dataset_fingerprint" in log, log[-3000:]
+
+
+def _losses(log: str) -> dict[int, float]:
+    """iteration -> lm loss, from Megatron's training log lines."""
+    return {int(it): float(loss) for it, loss in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.Ee+-]+)", log)}
+
+
+def test_killed_distillation_resumes_with_the_same_losses(tmp_path):
+    data = _data(tmp_path)
+    teacher_ckpt = tmp_path / "teacher"
+    run_cli(["train", *_common(data, tmp_path, 20, 1), *_model(2, 128), "--save", str(teacher_ckpt),
+             "--save-interval", "20"], tmp_path, "teacher", 1)
+    cache = tmp_path / "cache"
+    run_cli(["cache", "build", *_common(data, tmp_path, 12, 1), *_model(2, 128), "--load", str(teacher_ckpt),
+             "--kd-cache", str(cache), "--kd-topk", "16"], tmp_path, "build", 1)
+    student = [*_common(data, tmp_path, 12, 1), *_model(2, 64), "--kd-cache", str(cache), "--kd-tail", "ghost",
+               "--log-interval", "1", "--seed", "11"]
+    straight = _losses(run_cli(["train", *student], tmp_path, "straight", 1))
+    ckpt = tmp_path / "student"
+    log = run_cli(["train", *student, "--save", str(ckpt), "--save-interval", "6", "--exit-interval", "6"],
+                  tmp_path, "killed", 1, expect_ok=False)
+    assert "exiting program at iteration 6" in log, log[-3000:]
+    first = _losses(log)
+    second = _losses(run_cli(["train", *student, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "6"],
+                             tmp_path, "resumed", 1))
+    assert sorted(straight) == list(range(1, 13)) and max(first) == 6 and sorted(second) == list(range(7, 13))
+    for it in range(1, 13):
+        resumed = first.get(it, second.get(it))
+        assert abs(resumed - straight[it]) <= 1e-2 * abs(straight[it]), (it, resumed, straight[it])
