@@ -16,9 +16,11 @@ megatron.training needs CUDA, so this CPU path drives megatron-core modules with
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import shutil
 import sysconfig
 import time
 from dataclasses import asdict, dataclass
@@ -118,8 +120,17 @@ def _model(cfg: DemoConfig, layers: int, hidden: int, vocab: int, seed: int):
                            position_embedding_type="learned_absolute", use_te=False)
 
 
-def _loader(dataset, batch_size: int):
-    return iter(torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=True))
+def config_key(cfg: DemoConfig) -> str:
+    """What a checkpoint of this demo depends on (not where it is written or how often it logs)."""
+    return json.dumps({k: v for k, v in asdict(cfg).items() if k not in ("workdir", "log_interval")}, sort_keys=True)
+
+
+def batch_at(dataset, step: int, batch_size: int) -> dict:
+    """Micro-batch ``step`` (1-based) of a dataset read in order, as Megatron's sampler hands it to a
+    single data-parallel rank: samples [(step-1)·b, step·b). Indexed by step, so a resumed run
+    reads exactly the samples (and teacher rows) the interrupted one would have."""
+    items = [dataset[i] for i in range((step - 1) * batch_size, step * batch_size)]
+    return torch.utils.data.default_collate(items)
 
 
 def _ce_step(model, batch):
@@ -129,15 +140,31 @@ def _ce_step(model, batch):
     return (losses * mask).sum(), mask.sum()
 
 
-def _train(name, model, steps, step_fn, cfg: DemoConfig, writer, log) -> list[tuple[int, float]]:
+def train_loop(name, model, steps, step_fn, cfg: DemoConfig, writer, log,
+               checkpoint: Path | None = None) -> list[tuple[int, float]]:
+    """AdamW + warm-up/cosine for ``steps`` steps of ``step_fn(model, step)``; returns the curve.
+
+    With ``checkpoint``, the model, optimizer, schedule and curve are saved every log interval
+    (written to a temporary file, then renamed: a kill never leaves a torn checkpoint), and a run
+    that finds one continues after its last step: the same batches, teacher rows and losses as a
+    run that was never interrupted."""
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) * 0.9 + 0.1)
+    curve, first = [], 1
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["steps"] == steps and state["config"] == config_key(cfg):
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["schedule"])
+            curve, first = state["curve"], state["step"] + 1
+            log(f"  {name:10} resumed after step {state['step']} from {checkpoint}")
     model.train()
-    curve, t0, tokens = [], time.perf_counter(), 0
-    for step in range(1, steps + 1):
-        loss_sum, num_tokens, report = step_fn(model)
+    t0, tokens = time.perf_counter(), 0
+    for step in range(first, steps + 1):
+        loss_sum, num_tokens, report = step_fn(model, step)
         (loss_sum / num_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -152,6 +179,11 @@ def _train(name, model, steps, step_fn, cfg: DemoConfig, writer, log) -> list[tu
         for key, (s, n) in report.items():
             writer.add_scalar(f"{name}/{key}", float(s) / max(float(n), 1.0), step)
         if step % cfg.log_interval == 0 or step == steps:
+            if checkpoint is not None:
+                tmp = checkpoint.with_suffix(".tmp")
+                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
+                            "step": step, "steps": steps, "curve": curve, "config": config_key(cfg)}, tmp)
+                os.replace(tmp, checkpoint)
             rate = tokens / (time.perf_counter() - t0)
             writer.add_scalar(f"{name}/tokens_per_s", rate, step)
             log(f"  {name:10} step {step:4d}/{steps}  loss {value:.3f}  "
@@ -197,7 +229,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     # (imported here so that `megatron-kd --help` and the cache commands stay light)
     from torch.utils.tensorboard import SummaryWriter
 
-    from megatron_kd.cache import CacheWriter
+    from megatron_kd.cache import CacheError, CacheWriter
     from megatron_kd.megatron.args import KDConfig
     from megatron_kd.megatron.data import (
         ByteTokenizer,
@@ -235,21 +267,27 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     n_teacher = sum(p.numel() for p in teacher.parameters())
     log(f"[2/5] teacher: GPTModel {cfg.teacher_layers} layers x {cfg.teacher_hidden}, {n_teacher:,} parameters, "
         f"{cfg.teacher_steps} steps of {mbs} x {cfg.seq_length} tokens")
-    batches = _loader(teacher_ds, mbs)
-    curves = {"teacher": _train("teacher", teacher, cfg.teacher_steps,
-                                lambda m: (*_ce_step(m, next(batches)), {}), cfg, tb, log)}
+    checkpoints = work / "checkpoints"  # a killed demo, run again, resumes each stage where it stopped
+    checkpoints.mkdir(exist_ok=True)
+    curves = {"teacher": train_loop("teacher", teacher, cfg.teacher_steps,
+                                    lambda m, step: (*_ce_step(m, batch_at(teacher_ds, step, mbs)), {}), cfg, tb, log,
+                                    checkpoint=checkpoints / "teacher.pt")}
 
     cache = work / "teacher-cache"
-    teacher_model = MegatronTeacher(teacher.eval(), vocab_size=vocab, fingerprint=f"demo-teacher-{n_teacher}")
+    # training is deterministic: the same settings give the same teacher, whose cache a rerun resumes
+    digest = hashlib.sha256(config_key(cfg).encode()).hexdigest()[:16]
+    teacher_model = MegatronTeacher(teacher.eval(), vocab_size=vocab, fingerprint=f"demo-teacher-{n_teacher}-{digest}")
     meta = {"teacher_fingerprint": teacher_model.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
             "dataset_fingerprint": dataset_fingerprint(student_ds)}
-    if cache.exists():  # a fresh teacher each run: never mix its cache with an earlier one
-        import shutil
-
+    params = dict(vocab_size=vocab, topk=cfg.topk, seq_length=cfg.seq_length, num_samples=cfg.student_steps * mbs,
+                  micro_batch_size=mbs, metadata=meta)
+    try:
+        writer = CacheWriter(cache, **params)
+    except CacheError:  # another teacher's (or a damaged) cache: start it again
         shutil.rmtree(cache)
+        writer = CacheWriter(cache, **params)
     # the samples the student consumes (steps x micro-batch), in its order
-    with CacheWriter(cache, vocab_size=vocab, topk=cfg.topk, seq_length=cfg.seq_length,
-                     num_samples=cfg.student_steps * mbs, micro_batch_size=mbs, metadata=meta) as writer:
+    with writer:
         summary = capture_teacher(teacher_model, student_ds, writer, CaptureConfig(topk=cfg.topk, micro_batch_size=mbs),
                                   device=torch.device("cpu"), progress=False)
     log(f"[3/5] teacher pass: {summary['samples']} samples, {summary['tokens']:,} tokens, K={cfg.topk}, "
@@ -261,19 +299,19 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     log(f"[4/5] students: GPTModel {cfg.student_layers} layers x {cfg.student_hidden}, {n_student:,} parameters, "
         f"{cfg.student_steps} steps; KD: fused top-{cfg.topk} loss, tail={kd.tail}, T={kd.temperature}, "
         f"ce_weight={kd.ce_weight}")
-    kd_batches = _loader(KDDataset(student_ds, str(cache), tokenizer=tok, required_samples=cfg.student_steps * mbs),
-                         mbs)
+    kd_data = KDDataset(student_ds, str(cache), tokenizer=tok, required_samples=cfg.student_steps * mbs)
     forward_step = KDForwardStep(kd, device=torch.device("cpu"))
 
-    def kd_step(model):
-        output, loss_fn = forward_step(kd_batches, model)
+    def kd_step(model, step):
+        output, loss_fn = forward_step(iter([batch_at(kd_data, step, mbs)]), model)
         return loss_fn(output)
 
-    curves["student KD"] = _train("student_kd", student_kd, cfg.student_steps, kd_step, cfg, tb, log)
+    curves["student KD"] = train_loop("student_kd", student_kd, cfg.student_steps, kd_step, cfg, tb, log,
+                                      checkpoint=checkpoints / "student_kd.pt")
     student_ce = _model(cfg, cfg.student_layers, cfg.student_hidden, vocab, cfg.seed + 1)
-    ce_batches = _loader(student_ds, mbs)
-    curves["student CE"] = _train("student_ce", student_ce, cfg.student_steps,
-                                  lambda m: (*_ce_step(m, next(ce_batches)), {}), cfg, tb, log)
+    curves["student CE"] = train_loop("student_ce", student_ce, cfg.student_steps,
+                                      lambda m, step: (*_ce_step(m, batch_at(student_ds, step, mbs)), {}), cfg, tb,
+                                      log, checkpoint=checkpoints / "student_ce.pt")
 
     table = {"teacher": evaluate(teacher, valid_ds, mbs), "student KD": evaluate(student_kd, valid_ds, mbs),
              "student CE": evaluate(student_ce, valid_ds, mbs)}
@@ -290,6 +328,6 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     log(f"  distillation gain over CE-only at equal steps: {gain:+.3f} nats/token")
     log(f"  plot: {work / 'loss_curves.png'}  tensorboard: {work / 'tensorboard'}  ({elapsed:.0f} s)")
     result = {"heldout": table, "gain": gain, "seconds": elapsed, "config": asdict(cfg),
-              "teacher_pass": summary}
+              "teacher_pass": summary, "curves": curves}
     (work / "results.json").write_text(json.dumps(result, indent=2))
     return result
