@@ -4,6 +4,7 @@
     megatron-kd train <Megatron-LM flags> --kd-cache PATH ...      student training (GPUs, torchrun)
     megatron-kd cache build <Megatron-LM flags> --kd-cache PATH ...  teacher pass (GPUs, torchrun)
     megatron-kd export-hf <model flags> --load CKPT --out DIR       student checkpoint -> Hugging Face
+    megatron-kd plan <Megatron-LM flags> [--gpus 8 --search]       memory per GPU before launching
     megatron-kd cache inspect PATH [--json]    summary of a teacher cache
     megatron-kd cache verify PATH              check metadata, completeness and every chunk
 
@@ -68,6 +69,12 @@ def _cmd_export_hf(args) -> int:
     return export_main(args.megatron_args)
 
 
+def _cmd_plan(args) -> int:
+    from megatron_kd.megatron.plan import main as plan_main
+
+    return plan_main(args.megatron_args)
+
+
 def _cmd_cache_build(args) -> int:
     from megatron_kd.teacher.build import main as build_main
 
@@ -80,6 +87,7 @@ MEGATRON_COMMANDS = {
                         "(or --kd-teacher-hf), and --kd-cache PATH; launch with torchrun.",
     ("export-hf",): "Write a student checkpoint as a Hugging Face directory: the student's model flags, "
                     "--load CKPT and --out DIR (torchrun, one GPU).",
+    ("plan",): "Memory per GPU of a run before launching it (the run's Megatron-LM flags; CPU, no GPU needed).",
 }
 
 
@@ -109,6 +117,12 @@ def _megatron_command_help(command: tuple[str, ...], megatron: bool) -> int:
                "Missing, unknown or invalid flags stop with one line and exit status 2.")
     if command == ("export-hf",):
         parser.add_argument("--out", metavar="DIR", help="Where to write the Hugging Face directory.")
+    if command == ("plan",):
+        parser.add_argument("--gpus", help="GPUs in all (default 8).")
+        parser.add_argument("--gpu-memory", help="Memory of one GPU (default 141GB, an H200).")
+        parser.add_argument("--host-memory", help="Host memory of a node, for offloaded optimizer state.")
+        parser.add_argument("--loss", help="fused (default), ce or dense: the loss path to plan for.")
+        parser.add_argument("--search", action="store_true", help="List the layouts that fit, fastest first.")
     add_kd_args(parser).print_help()
     return 0
 
@@ -130,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
                                               "Takes every Megatron-LM flag plus the --kd-* flags.", add_help=False)
     train.add_argument("megatron_args", nargs=argparse.REMAINDER)
     train.set_defaults(func=_cmd_train)
+
+    plan = commands.add_parser("plan", help="Memory per GPU of a run before launching it; --search for layouts "
+                                            "that fit.", add_help=False)
+    plan.add_argument("megatron_args", nargs=argparse.REMAINDER)
+    plan.set_defaults(func=_cmd_plan)
 
     export = commands.add_parser("export-hf", help="Write a student checkpoint as a Hugging Face directory "
                                                    "(GPT-OSS; torchrun, 1 GPU): the student's model flags, "
@@ -159,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_kd.cache.codec import CacheError
     from megatron_kd.errors import UserError
 
-    commands = {("train",): _cmd_train, ("cache", "build"): _cmd_cache_build, ("export-hf",): _cmd_export_hf}
+    commands = {("train",): _cmd_train, ("cache", "build"): _cmd_cache_build, ("export-hf",): _cmd_export_hf,
+                ("plan",): _cmd_plan}
     try:
         # train / cache build / export-hf take Megatron-LM's own flags: hand them over untouched
         for command, run in commands.items():

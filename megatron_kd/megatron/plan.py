@@ -1,0 +1,275 @@
+"""``megatron-kd plan``: will this student fit, per GPU, before anything is launched?
+
+    megatron-kd plan <the Megatron-LM flags of the run> [--gpus 8] [--gpu-memory 141GB]
+                     [--host-memory 2TB] [--loss fused|dense|ce] [--search]
+
+Per GPU, in GiB (the most loaded rank):
+
+  weights      bf16 parameters of this rank's shard: the non-expert part (tensor-parallel shard
+               plus replicated norms and router) and its experts (1/EP of them)
+  gradients    Megatron's fp32 ``main_grad`` (bf16 training accumulates and reduces in fp32)
+  optimizer    Adam's master weights and two moments, in the precision-aware dtypes
+               (``--main-params-dtype``, ``--exp-avg-dtype``, ``--exp-avg-sq-dtype``), sharded over
+               data parallel by the distributed optimizer (experts over expert-data parallel), minus
+               what ``--optimizer-cpu-offload`` moves to host memory (``--optimizer-offload-fraction``)
+  activations  what backward keeps: per layer and token, attention (q/k/v, context, projection
+               input, norms) and MoE (dispatched tokens, fc1 output, activation, fc2 output) in bf16,
+               plus each MoE layer's stacked expert weights (the grouped GEMM keeps them); with
+               ``--recompute-granularity full`` only each layer's input, plus one layer in flight.
+               Sinks, windows and the cuDNN/flex kernels keep O(s) statistics only
+  dispatch     the all-to-all send and receive buffers of routed tokens (EP > 1)
+  loss         ``fused``: one chunk block (at most one bf16 weight gradient) and Megatron's dummy
+               weight gradient; ``ce``: Megatron's output layer + cross-entropy (bf16 logits and
+               their fp32 copy, [s, V/TP]); ``dense``: materialized KD: bf16 logits and four fp32
+               [s, V/TP] tensors at its peak (copy, log-softmax, probabilities, logit gradient)
+  kd batch     the teacher's ids (int32) and log-probs (fp32), [s, K] per micro-batch
+
+Parameter counts come from Megatron-LM's own estimator (``theoretical_memory_usage``), which already
+splits tensor-parallel, replicated and expert-parallel parameters; we add the terms it lacks (the
+KD loss path, precision-aware and offloaded optimizer states, MoE dispatch, the activations of
+this project's local attention and experts). The estimate is checked against peaks measured on
+H200s (``benchmarks/memory_measurements.json``, ``tests/megatron/test_plan.py``).
+
+``--search`` tries the layouts (TP, EP, PP, CP, recompute, micro-batch) that divide the GPUs (and,
+with ``--transformer-impl local``, that megatron-core's local spec can run) and lists those that fit, fastest first by a simple cost model: compute per GPU, ×4/3 with full
+recompute, + 10% per doubling of TP (its all-reduces), + the pipeline bubble (PP−1)/micro-batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import math
+import re
+from dataclasses import dataclass, field
+
+GIB = 2**30
+_DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+def parse_size(text: str) -> float:
+    """'141GB', '2TB', '80GiB' -> bytes (GB/TB decimal, GiB/TiB binary)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (e.g. 141GB, 2TB)")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+             "TIB": 2**40}[unit]
+    return float(m.group(1)) * scale
+
+
+@dataclass
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    recompute: bool = False
+    micro_batch: int = 1
+
+    def describe(self) -> str:
+        return (f"TP{self.tp} PP{self.pp} EP{self.ep} CP{self.cp} mbs{self.micro_batch}"
+                + (" recompute=full" if self.recompute else ""))
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    gpu_bytes: dict[str, float] = field(default_factory=dict)  # per GPU, by term
+    host_bytes: float = 0.0  # per GPU (offloaded optimizer state)
+    params: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.gpu_bytes.values())
+
+
+def shard_parameters(args) -> tuple[float, float]:
+    """(non-expert, expert) parameters on the most loaded rank, from Megatron-LM's estimator.
+
+    Its ``compute_weight_and_optimizer_memory`` returns bytes: 18 per parameter without the
+    distributed optimizer, 6 + 12/DP (non-expert) and 6 + 12/EDP (expert) with it. Two calls (DP = 1
+    with EDP → ∞) separate the two counts. It knows gated units only through ``--swiglu``."""
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+    a = copy.copy(args)
+    a.swiglu = bool(args.swiglu or args.quick_geglu)
+    a.use_distributed_optimizer = False
+    plain = compute_weight_and_optimizer_memory(a) / 18  # Pd + Pe
+    a.use_distributed_optimizer, a.data_parallel_size = True, 1
+    a.world_size = args.expert_tensor_parallel_size * args.expert_model_parallel_size * args.pipeline_model_parallel_size
+    a.world_size *= 10**12  # expert-data parallel "infinite": experts cost 6 bytes
+    split = compute_weight_and_optimizer_memory(a)  # 18·Pd + 6·Pe
+    experts = (18 * plain - split) / 12
+    return plain - experts, experts
+
+
+def _optimizer_bytes_per_param(args) -> float:
+    main = 2 if getattr(args, "main_params_dtype", "fp32") == "fp16" else 4
+    if not getattr(args, "use_precision_aware_optimizer", False):
+        return 12.0
+    return main + _DTYPE_BYTES[getattr(args, "exp_avg_dtype", "fp32")] + _DTYPE_BYTES[getattr(args, "exp_avg_sq_dtype", "fp32")]
+
+
+def _layer_activation_bytes_per_token(args) -> tuple[float, float]:
+    """(attention + norms, MoE or MLP) bytes kept per token of one layer, bf16."""
+    h, n = args.hidden_size, args.num_attention_heads
+    g = args.num_query_groups if args.group_query_attention else n
+    d = args.kv_channels or h // n
+    attention = 2 * ((n + 2 * g) * d + 2 * n * d + 2 * h)  # q/k/v, context, projection input, norm in/out
+    if args.num_experts:
+        ffn, k = args.moe_ffn_hidden_size or args.ffn_hidden_size, args.moe_router_topk
+        mlp = 2 * k * (2 * h + 3 * ffn) + 2 * 2 * h  # dispatched, fc1 out (2·ffn), activation, fc2 out; norm, residual
+    else:
+        mlp = 2 * (h + 3 * args.ffn_hidden_size) + 2 * 2 * h
+    return attention, mlp
+
+
+def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: int = 100) -> Plan:
+    """Memory per GPU of the run ``args`` (Megatron-LM flags) under ``layout`` on ``gpus`` GPUs."""
+    a = copy.copy(args)
+    a.tensor_model_parallel_size, a.pipeline_model_parallel_size = layout.tp, layout.pp
+    a.expert_model_parallel_size, a.context_parallel_size = layout.ep, layout.cp
+    a.expert_tensor_parallel_size = a.expert_tensor_parallel_size or layout.tp
+    a.micro_batch_size, a.world_size = layout.micro_batch, gpus
+    a.data_parallel_size = gpus // (layout.tp * layout.pp * layout.cp)
+    dense, experts = shard_parameters(a)
+    expert_dp = gpus // (a.expert_tensor_parallel_size * layout.ep * layout.pp)
+    plan = Plan(layout, params={"non-expert": dense, "expert": experts})
+    opt_per_param = _optimizer_bytes_per_param(a)
+    optimizer = (dense * opt_per_param / (a.data_parallel_size if a.use_distributed_optimizer else 1)
+                 + experts * opt_per_param / (expert_dp if a.use_distributed_optimizer else 1))
+    offload = a.optimizer_offload_fraction if getattr(a, "optimizer_cpu_offload", False) else 0.0
+    plan.gpu_bytes["weights"] = 2 * (dense + experts)
+    plan.gpu_bytes["gradients"] = 4 * (dense + experts)
+    plan.gpu_bytes["optimizer"] = optimizer * (1 - offload)
+    plan.host_bytes = optimizer * offload
+
+    tokens = a.seq_length * layout.micro_batch / layout.cp  # per GPU (sequence split by CP)
+    layers = math.ceil(a.num_layers / layout.pp)
+    attention, mlp = _layer_activation_bytes_per_token(a)
+    per_layer = tokens * (attention / layout.tp + mlp)  # experts see whole tokens (expert-TP 1)
+    if a.num_experts:
+        local_experts = a.num_experts // layout.ep
+        per_layer += 2 * local_experts * 3 * a.hidden_size * (a.moe_ffn_hidden_size or a.ffn_hidden_size)
+    stored = layers * (2 * tokens * a.hidden_size / layout.tp) + per_layer if layout.recompute else layers * per_layer
+    # the first pipeline stage keeps the micro-batches in flight: up to PP of them
+    plan.gpu_bytes["activations"] = stored * min(layout.pp, max(1, a.global_batch_size // layout.micro_batch // max(1, a.data_parallel_size)))
+    if a.num_experts and layout.ep > 1:
+        plan.gpu_bytes["dispatch"] = 2 * 2 * tokens * a.moe_router_topk * a.hidden_size
+    vocab_local = a.padded_vocab_size / layout.tp
+    if loss == "fused":  # the chunk block is as large as one bf16 weight gradient (256 MiB at least)
+        block = min(max(2 * vocab_local * a.hidden_size, 256 * 2**20), 2 * tokens * vocab_local)
+        plan.gpu_bytes["loss"] = block + 2 * vocab_local * a.hidden_size
+    elif loss == "ce":
+        plan.gpu_bytes["loss"] = tokens * vocab_local * (2 + 4)
+    else:  # dense KD: bf16 logits and four fp32 [s, V/TP] tensors at its peak
+        plan.gpu_bytes["loss"] = tokens * vocab_local * (2 + 4 * 4)
+    if loss != "ce":
+        plan.gpu_bytes["kd batch"] = tokens * kd_topk * 8
+    return plan
+
+
+def step_cost(args, layout: Layout, gpus: int) -> float:
+    """Relative step time of a layout (lower is faster): see the module docstring."""
+    cost = 1.0 / gpus
+    if layout.recompute:
+        cost *= 4 / 3
+    cost *= 1 + 0.1 * math.log2(layout.tp)
+    micro_batches = max(1, args.global_batch_size // layout.micro_batch // max(1, gpus // (layout.tp * layout.pp * layout.cp)))
+    return cost * (1 + (layout.pp - 1) / micro_batches)
+
+
+def candidate_layouts(args, gpus: int, *, local_spec: bool):
+    experts = args.num_experts or 1
+    for tp, pp, ep, cp, recompute, mbs in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8), (1, 2),
+                                                          (False, True), (1, 2)):
+        if gpus % (tp * pp * cp) or gpus % (ep * pp) or experts % ep or args.num_layers % pp:
+            continue
+        if args.num_attention_heads % tp or (args.num_query_groups or args.num_attention_heads) % tp:
+            continue
+        if ep > 1 and not args.num_experts:
+            continue
+        # without TE: megatron-core refuses MoE training under TP without sequence parallelism, which its
+        # local spec lacks, and its local attention (ours included) has no context parallelism
+        if local_spec and ((tp > 1 and args.num_experts) or cp > 1):
+            continue
+        yield Layout(tp=tp, pp=pp, ep=ep, cp=cp, recompute=recompute, micro_batch=mbs)
+
+
+def format_plan(plan: Plan, gpu_memory: float, host_memory: float | None, gpus: int) -> str:
+    lines = [f"layout {plan.layout.describe()} on {gpus} GPUs; per GPU (most loaded rank):",
+             f"  parameters      {plan.params['non-expert'] / 1e9:8.2f} B non-expert + "
+             f"{plan.params['expert'] / 1e9:.2f} B expert"]
+    for name, value in plan.gpu_bytes.items():
+        lines.append(f"  {name:14s}  {value / GIB:8.1f} GiB")
+    headroom = gpu_memory - plan.total
+    lines.append(f"  {'total':14s}  {plan.total / GIB:8.1f} GiB of {gpu_memory / GIB:.1f} GiB -> "
+                 + (f"fits, {headroom / GIB:.1f} GiB headroom" if headroom >= 0 else
+                    f"DOES NOT FIT by {-headroom / GIB:.1f} GiB"))
+    if plan.host_bytes:
+        need = plan.host_bytes * gpus
+        lines.append(f"  host memory     {plan.host_bytes / GIB:8.1f} GiB per GPU, {need / GIB:.0f} GiB per node "
+                     "(offloaded optimizer)"
+                     + ("" if host_memory is None else (" -> fits" if need <= host_memory else
+                                                         f" -> DOES NOT FIT the {host_memory / GIB:.0f} GiB given")))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from megatron_kd.errors import FlagError
+    from megatron_kd.megatron.train import megatron_parser
+
+    ours = argparse.ArgumentParser(prog="megatron-kd plan", add_help=False)
+    ours.add_argument("--gpus", type=int, default=8)
+    ours.add_argument("--gpu-memory", default="141GB")
+    ours.add_argument("--host-memory", default=None)
+    ours.add_argument("--loss", choices=("fused", "dense", "ce"), default="fused")
+    ours.add_argument("--search", action="store_true")
+    ours.add_argument("--top", type=int, default=8, help="layouts listed by --search")
+    opts, rest = ours.parse_known_args(argv)
+    try:
+        args, unknown = megatron_parser().parse_known_args(rest)
+        gpu_memory = parse_size(opts.gpu_memory)
+        host_memory = parse_size(opts.host_memory) if opts.host_memory else None
+    except (argparse.ArgumentError, ValueError) as e:
+        raise FlagError(str(e)) from None
+    if unknown:
+        raise FlagError(f"unrecognized arguments: {' '.join(unknown)}")
+    for flag, value in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
+                        ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length)):
+        if value is None:
+            raise FlagError(f"plan needs the run's {flag}")
+    vocab = args.vocab_size
+    if vocab is None and args.kd_student_hf:
+        from megatron_kd.models.hf import hf_vocab_rows
+
+        vocab = hf_vocab_rows(args.kd_student_hf)
+    if vocab is None:
+        raise FlagError("plan needs the vocabulary: --vocab-size N (or --kd-student-hf DIR)")
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.padded_vocab_size = -(-vocab // multiple) * multiple
+    args.kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.global_batch_size = args.global_batch_size or opts.gpus
+    kd_topk = args.kd_topk
+    layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                    ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
+                    recompute=args.recompute_granularity == "full", micro_batch=args.micro_batch_size or 1)
+    plans = {loss: estimate(args, layout, gpus=opts.gpus, loss=loss, kd_topk=kd_topk) for loss in ("fused", "ce", "dense")}
+    print(format_plan(plans[opts.loss], gpu_memory, host_memory, opts.gpus))
+    print("  loss paths: " + ", ".join(f"{loss} {p.total / GIB:.1f} GiB" for loss, p in plans.items()))
+    if opts.search:
+        local = args.transformer_impl == "local"
+        fits = [p for p in (estimate(args, lay, gpus=opts.gpus, loss=opts.loss, kd_topk=kd_topk)
+                            for lay in candidate_layouts(args, opts.gpus, local_spec=local))
+                if p.total <= gpu_memory and (host_memory is None or p.host_bytes * opts.gpus <= host_memory)]
+        fits.sort(key=lambda p: (step_cost(args, p.layout, opts.gpus), p.total))
+        print(f"\nlayouts that fit ({len(fits)}), fastest first:" if fits else
+              "\nno layout fits: more GPU or host memory, more nodes, or LoRA (see README)")
+        for p in fits[:opts.top]:
+            print(f"  {p.layout.describe():40s} {p.total / GIB:6.1f} GiB/GPU"
+                  + (f", host {p.host_bytes * opts.gpus / GIB:.0f} GiB" if p.host_bytes else "")
+                  + f", relative step time {step_cost(args, p.layout, opts.gpus) * opts.gpus:.2f}")
+    return 0

@@ -1,0 +1,92 @@
+"""``megatron-kd plan`` against memory measured on H200s (benchmarks/memory_measurements.json), and
+what it says of the GPT-OSS recipes on one 8-GPU node.
+
+1. every recorded peak is within 10% of the estimate (weights + gradients + activations + dispatch
+   + loss + KD batch: the recorded runs take no optimizer step), and every recorded out-of-memory
+   run is estimated above the memory it had been denied
+2. the 20B recipe fits one 8 x 141 GB node with the fused loss; its dense-KD variant does not fit
+   there without recompute
+3. the 120B recipe fits only with its optimizer offloaded, and the plan says how much host memory
+   that takes; without offload it does not fit, and --search finds no other one-node layout
+4. the CLI prints the table; bad flags are one line
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from tiny_gpt_oss import recipe_flags  # noqa: E402
+
+from megatron_kd.cli import main  # noqa: E402
+from megatron_kd.megatron.plan import GIB, Layout, estimate  # noqa: E402
+from megatron_kd.megatron.train import megatron_parser  # noqa: E402
+
+ROOT = Path(__file__).parents[2]
+NODE = 141e9
+
+
+def _args(*flags):
+    args, unknown = megatron_parser().parse_known_args(list(flags))
+    assert not unknown
+    args.padded_vocab_size = 201088 if args.tensor_model_parallel_size == 1 else 201728
+    return args
+
+
+@pytest.mark.parametrize("record", json.loads((ROOT / "benchmarks" / "memory_measurements.json").read_text())["records"],
+                         ids=lambda r: f"{r['gpus']}gpu-ep{r['ep']}-{r['loss']}")
+def test_estimate_within_10_percent_of_measured(record):
+    args = _args(*recipe_flags("20b", layout=False), "--num-layers", str(record["layers"]), "--seq-length",
+                 str(record["seq"]), "--micro-batch-size", "1", "--global-batch-size", str(record["gpus"]), "--bf16")
+    plan = estimate(args, Layout(ep=record["ep"]), gpus=record["gpus"], loss=record["loss"])
+    estimated = (plan.total - plan.gpu_bytes["optimizer"]) / GIB  # the benchmark steps no optimizer
+    if "peak_gib" in record:
+        assert abs(estimated - record["peak_gib"]) <= 0.10 * record["peak_gib"], (estimated, record)
+    else:
+        assert estimated >= record["oom_above_gib"], (estimated, record)
+
+
+def _recipe(size, *extra):
+    return _args(*recipe_flags(size), "--global-batch-size", "64", "--bf16", *extra)
+
+
+def _layout(args):
+    return Layout(tp=args.tensor_model_parallel_size, ep=args.expert_model_parallel_size,
+                  recompute=args.recompute_granularity == "full")
+
+
+def test_20b_recipe_fits_one_node():
+    args = _recipe("20b")
+    fused = estimate(args, _layout(args), gpus=8)
+    assert fused.total < NODE and fused.host_bytes == 0
+    no_recompute = Layout(ep=8)
+    assert estimate(args, no_recompute, gpus=8, loss="dense").total > NODE
+
+
+def test_120b_recipe_needs_its_optimizer_offloaded():
+    args = _recipe("120b")
+    plan = estimate(args, _layout(args), gpus=8)
+    assert plan.total < NODE
+    assert 0.5e12 < plan.host_bytes * 8 < 1.0e12  # fp16 master weights + bf16 moments of 117B parameters on the host
+    args.optimizer_cpu_offload = False
+    assert estimate(args, _layout(args), gpus=8).total > NODE
+
+
+def test_120b_without_offload_has_no_one_node_layout(capsys):
+    flags = [*recipe_flags("120b"), "--global-batch-size", "64", "--bf16", "--vocab-size", "201088",
+             "--optimizer-offload-fraction", "0"]
+    assert main(["plan", *flags, "--search"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "no layout fits" in out
+
+
+def test_plan_cli(capsys):
+    flags = [*recipe_flags("120b"), "--global-batch-size", "64", "--bf16", "--vocab-size", "201088"]
+    assert main(["plan", *flags, "--gpus", "8", "--gpu-memory", "141GB", "--host-memory", "2TB"]) == 0
+    out = capsys.readouterr().out
+    assert "fits" in out and "host memory" in out and "optimizer" in out and "loss paths" in out
+    assert main(["plan", *flags, "--no-optimizer-cpu-offload-flag"]) == 2
+    assert main(["plan", "--num-layers", "2"]) == 2
+    assert "plan needs" in capsys.readouterr().err
