@@ -18,6 +18,16 @@ MODES = ("topk", "sampled")
 FINGERPRINTS = ("teacher_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint")
 # Keys a writer's ``metadata`` may set; anything else belongs under "extra".
 METADATA_KEYS = ("temperature", "mode", "sampled_draws", *FINGERPRINTS, "extra")
+# How ids and log-probs are stored (codec.py); a store recording another encoding is refused.
+ENCODING = {
+    "ids": "sorted within a token, first id then gaps, uint32",
+    "logprobs": "round(-logprob * logprob_scale) as uint16, pad_code = padding",
+    "logprob_scale": LOGPROB_SCALE,
+    "pad_code": PAD_CODE,
+}
+# Integer fields and their smallest valid value.
+_COUNTS = {"vocab_size": 1, "topk": 1, "seq_length": 1, "num_samples": 0, "dp_size": 1, "micro_batch_size": 1,
+           "rows_per_shard": 1, "sampled_draws": 0}
 
 
 @dataclass
@@ -48,12 +58,7 @@ class CacheMeta:
     extra: dict = field(default_factory=dict)
     """Free-form, JSON-serializable (e.g. the teacher's arguments); compared on resume."""
     schema_version: int = SCHEMA_VERSION
-    encoding: dict = field(default_factory=lambda: {
-        "ids": "sorted within a token, first id then gaps, uint32",
-        "logprobs": "round(-logprob * logprob_scale) as uint16, pad_code = padding",
-        "logprob_scale": LOGPROB_SCALE,
-        "pad_code": PAD_CODE,
-    })
+    encoding: dict = field(default_factory=lambda: dict(ENCODING))
     complete: bool = False
     """Completion record: every partition holds every one of its samples."""
 
@@ -78,18 +83,47 @@ class CacheMeta:
 
     @classmethod
     def from_attrs(cls, attrs: dict, *, path: str) -> "CacheMeta":
+        """The metadata in ``attrs`` (the root zarr.json's, ``path`` names that file), every field's
+        type and range checked: CacheError naming the field and what was expected."""
         version = attrs.get("schema_version")
-        if not isinstance(version, int):
-            raise CacheError(f"{path}: zarr.json has no {ATTR_KEY}.schema_version; not a megatron_kd cache")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise CacheError(f"{path}: no {ATTR_KEY}.schema_version; not a megatron_kd cache")
         if version > SCHEMA_VERSION:
             raise CacheError(f"{path}: written by a newer megatron_kd (schema_version {version} > "
                              f"{SCHEMA_VERSION} supported); upgrade megatron_kd to read it")
         names = {f.name for f in fields(cls)}
-        missing = [n for n in ("vocab_size", "topk", "seq_length", "num_samples", "dp_size",
-                               "micro_batch_size", "rows_per_shard") if n not in attrs]
+        missing = [n for n in _COUNTS if n not in attrs and n != "sampled_draws"]
         if missing:
-            raise CacheError(f"{path}: zarr.json {ATTR_KEY} lacks field(s) {missing}")
-        return cls(**{k: v for k, v in attrs.items() if k in names})
+            raise CacheError(f"{path}: {ATTR_KEY} lacks field(s) {missing}")
+        meta = cls(**{k: v for k, v in attrs.items() if k in names})
+        meta._check(path)
+        if "partitions" in attrs and attrs["partitions"] != meta.partitions():
+            raise CacheError(f"{path}: {ATTR_KEY}.partitions is {attrs['partitions']!r}, expected "
+                             f"{meta.partitions()!r} (from num_samples, dp_size, micro_batch_size)")
+        return meta
+
+    def _check(self, path: str) -> None:
+        def bad(name: str, expected: str):
+            raise CacheError(f"{path}: {ATTR_KEY}.{name} is {getattr(self, name)!r}, expected {expected}")
+
+        for name, low in _COUNTS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                bad(name, f"an integer >= {low}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 < t < float("inf"):
+            bad("temperature", "a positive number")
+        if self.mode not in MODES:
+            bad("mode", f"one of {MODES}")
+        for name in FINGERPRINTS:
+            if not isinstance(getattr(self, name), str):
+                bad(name, "a string")
+        if not isinstance(self.extra, dict):
+            bad("extra", "an object")
+        if not isinstance(self.complete, bool):
+            bad("complete", "true or false")
+        if self.encoding != ENCODING:
+            bad("encoding", f"{ENCODING!r} (the encoding this version reads)")
 
     def mismatches(self, other: "CacheMeta") -> list[tuple[str, object, object]]:
         """(field, self value, other value) for every field that differs, completion excluded."""

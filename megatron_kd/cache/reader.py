@@ -3,7 +3,8 @@
 The reader maps a global sample index to (partition, row) with the capture's layout, so any
 data-parallel size reads correctly; with the capture's dp_size and micro_batch_size a rank's
 samples are its own partition's rows in order, and ``prefetch`` streams them from consecutive
-shards on a background thread.
+shards on a background thread. A shard file that is missing or fails its checksum is a CacheError
+naming it, never fill values; ``check_files`` is the cheap start-up form of that check.
 """
 
 from __future__ import annotations
@@ -18,7 +19,18 @@ import torch
 
 from megatron_kd.cache.codec import CacheError, decode_topk
 from megatron_kd.cache.meta import CacheMeta, check_expected
-from megatron_kd.cache.store import DONE, open_partition, open_root, partition_name, read_root_meta
+from megatron_kd.cache.store import (
+    block_rows,
+    open_partition,
+    open_root,
+    partition_attrs,
+    partition_name,
+    read_done,
+    read_root_meta,
+    read_rows,
+    require_files,
+    strict,
+)
 
 
 class CacheReader:
@@ -51,23 +63,59 @@ class CacheReader:
         return self.dp_size == self.meta.dp_size
 
     def _incomplete_partitions(self) -> str:
-        root = open_root(self.path)
-        missing = []
+        root, missing = open_root(self.path), []
         for rank in range(self.meta.dp_size):
             name = partition_name(rank)
-            if name not in root:
+            attrs = partition_attrs(self.path, self.meta, rank)
+            if attrs is None:
                 missing.append(f"{name} missing")
-            elif not root[name].attrs.get("complete"):
-                done = int(np.count_nonzero(root[name][DONE][:]))
-                missing.append(f"{name} has {done}/{self.meta.layout.rows_of(rank)} samples")
+            elif not attrs["complete"]:
+                done = read_done(self.path, open_partition(root, self.meta, rank, path=self.path), rank)
+                missing.append(f"{name} has {int(done.sum())}/{self.meta.layout.rows_of(rank)} samples")
         return ", ".join(missing) or "completion record missing"
 
     def _partition(self, rank: int):
+        """(ids, logprobs, rows_done) of a partition, its metadata checked; ids / logprobs read a
+        missing shard file as an error, never as fill values."""
         with self._lock:
             if rank not in self._partitions:
                 group = open_partition(self._root, self.meta, rank, path=self.path)
-                self._partitions[rank] = (group["ids"], group["logprobs"], group[DONE][:].astype(bool))
+                done = read_done(self.path, group, rank)
+                self._partitions[rank] = (strict(group["ids"]), strict(group["logprobs"]), done)
             return self._partitions[rank]
+
+    def _require_written(self, rank: int, rows: np.ndarray, samples: np.ndarray) -> None:
+        done = self._partition(rank)[2]
+        if not done[rows].all():
+            missing = int(np.flatnonzero(~done[rows])[0])
+            raise CacheError(f"{self.path / partition_name(rank)}: sample {int(samples[missing])} "
+                             f"(row {int(rows[missing])}) was never written")
+
+    def check_files(self, samples: Iterable[int] | None = None) -> int:
+        """Start-up check, cheap (metadata, rows_done, then one stat per shard file; nothing decoded):
+        every partition that reading ``samples`` (default: all) touches opens, lists those rows as
+        written, and has every shard file holding them. CacheError naming the first missing file;
+        returns how many shard files were checked."""
+        if samples is None:
+            samples = range(self.meta.num_samples)
+        samples = np.asarray(samples if isinstance(samples, (range, np.ndarray)) else list(samples), dtype=np.int64)
+        bad = samples[(samples < 0) | (samples >= self.meta.num_samples)]
+        if len(bad):
+            raise CacheError(f"{self.path}: sample {int(bad[0])} is outside the cache's 0..{self.meta.num_samples - 1}")
+        ranks, rows = self.meta.layout.locate(samples)
+        order = np.argsort(ranks, kind="stable")
+        ranks, rows, samples = ranks[order], rows[order], samples[order]
+        bounds = np.flatnonzero(np.diff(ranks)) + 1
+        checked = 0
+        for a, b in zip([0, *bounds], [*bounds, len(ranks)]):
+            if a == b:
+                continue
+            rank = int(ranks[a])
+            self._require_written(rank, rows[a:b], samples[a:b])
+            ids_arr, lps_arr, _ = self._partition(rank)
+            blocks = np.unique(rows[a:b] // block_rows(ids_arr))
+            checked += require_files(self.path, ids_arr, blocks) + require_files(self.path, lps_arr, blocks)
+        return checked
 
     def read(self, sample_idx) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [n, seq_length, K] (-1 = padding) and float32 log-probs (-inf = padding) for the
@@ -88,10 +136,7 @@ class CacheReader:
 
     def _read_rows(self, rank: int, r0: int, r1: int, samples: np.ndarray):
         ids_arr, lps_arr, done = self._partition(rank)
-        if not done[r0:r1].all():
-            missing = int(np.flatnonzero(~done[r0:r1])[0])
-            raise CacheError(f"{self.path / partition_name(rank)}: sample {int(samples[missing])} "
-                             f"(row {r0 + missing}) was never written")
+        self._require_written(rank, np.arange(r0, r1), samples)
         chunk = ids_arr.chunks[0]
         if r1 - r0 < chunk:
             # Small reads (a DataLoader asking sample by sample) decode the whole chunk anyway: keep
@@ -100,17 +145,14 @@ class CacheReader:
             if r1 <= c0 + chunk:
                 key = (rank, c0)
                 if self._last_chunk is None or self._last_chunk[0] != key:
-                    self._last_chunk = (key, self._zarr_rows(rank, ids_arr, lps_arr, c0, min(c0 + chunk, len(done))))
+                    self._last_chunk = (key, self._zarr_rows(ids_arr, lps_arr, c0, min(c0 + chunk, len(done))))
                 ids, lps = self._last_chunk[1]
                 return ids[r0 - c0:r1 - c0], lps[r0 - c0:r1 - c0]
-        return self._zarr_rows(rank, ids_arr, lps_arr, r0, r1)
+        return self._zarr_rows(ids_arr, lps_arr, r0, r1)
 
-    def _zarr_rows(self, rank, ids_arr, lps_arr, r0: int, r1: int):
-        try:
-            return ids_arr[r0:r1], lps_arr[r0:r1]
-        except Exception as e:  # zarr / codec errors: truncated or corrupted shard files
-            raise CacheError(f"{self.path / partition_name(rank)}: rows {r0}..{r1 - 1} unreadable "
-                             f"(truncated or corrupted shard?): {type(e).__name__}: {e}") from e
+    def _zarr_rows(self, ids_arr, lps_arr, r0: int, r1: int):
+        # a missing, truncated or corrupted shard file: CacheError naming it
+        return read_rows(self.path, ids_arr, r0, r1), read_rows(self.path, lps_arr, r0, r1)
 
     def prefetch(self, samples: Iterable[int], *, block: int | None = None, depth: int = 4) -> Iterator:
         """Yield (sample_idx, ids [seq, K], logprobs [seq, K]) for ``samples`` in order, decoding

@@ -5,12 +5,18 @@
     <path>/dp_00003/ids/              uint32 [rows, seq_length, K]  id gaps (codec.py)
     <path>/dp_00003/logprobs/         uint16 [rows, seq_length, K]  fixed-point log-probs
     <path>/dp_00003/rows_done/        uint8  [rows]                 1 once a row's shard is on disk
+    <path>/dp_00003/.writer.lock      empty; the partition's one writer holds an flock on it
 
 A chunk holds a few consecutive samples (about 4 MiB of ids: zarr's per-chunk cost stays small
 next to decoding) and a shard file holds ``rows_per_shard`` consecutive rows of a partition, so a
-rank that trains with the capture's layout reads its shards in order.
-Chunks are Blosc/zstd-compressed (byte-shuffled) and carry a CRC32C; shard indexes carry one
-too, so a truncated or corrupted shard fails loudly instead of reading as fill values.
+rank that trains with the capture's layout reads its shards in order; rows_done has one chunk per
+shard.
+
+Integrity: every binary file carries a CRC32C (ids / logprobs chunks and shard indexes, rows_done
+chunks) and every zarr.json is parsed and checked here against the root metadata before zarr
+opens it, so damage anywhere is one CacheError naming the file. Zarr reads a file that is not
+there as fill values; here a shard or rows_done chunk that should exist (its rows are marked done,
+or its partition is complete) and does not is an error instead.
 """
 
 from __future__ import annotations
@@ -18,14 +24,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, Crc32cCodec
+from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from megatron_kd.cache.codec import CacheError
 from megatron_kd.cache.meta import ATTR_KEY, CacheMeta
 
 ARRAYS = ("ids", "logprobs")
 DONE = "rows_done"
+LOCK_FILE = ".writer.lock"
 # Shards of about this many raw bytes: large sequential files, bounded writer buffers.
 SHARD_TARGET_BYTES = 64 << 20
 BYTES_PER_ENTRY = 6  # uint32 id gap + uint16 code
@@ -58,26 +66,69 @@ def _compressor(name: str):
     return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"), Crc32cCodec()]
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as ``Type: message`` on one line (zarr's messages span several)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def load_json(file: Path) -> dict:
+    """A zarr.json document; CacheError naming the file when it is missing, not UTF-8 JSON, or not
+    a JSON object (random bytes, ``[]``, a torn write)."""
+    try:
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        raise CacheError(f"{file}: missing") from None
+    except OSError as e:
+        raise CacheError(f"{file}: unreadable ({e.strerror})") from None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise CacheError(f"{file}: not UTF-8 text; expected Zarr v3 JSON metadata (corrupted?)") from None
+    except (ValueError, RecursionError) as e:
+        raise CacheError(f"{file}: unreadable JSON ({e}); expected Zarr v3 metadata (corrupted?)") from None
+    if not isinstance(doc, dict):
+        raise CacheError(f"{file}: holds a JSON {type(doc).__name__}, expected an object (Zarr v3 metadata)")
+    return doc
+
+
+def _zarr_node(doc: dict, file: Path, node_type: str) -> dict:
+    """The attributes of a parsed zarr.json, after checking it is a Zarr v3 node of that type."""
+    if doc.get("zarr_format") != 3 or doc.get("node_type") != node_type:
+        raise CacheError(f"{file}: zarr_format {doc.get('zarr_format')!r} node_type {doc.get('node_type')!r}, "
+                         f"expected a Zarr v3 {node_type} (zarr_format 3, node_type {node_type})")
+    attrs = doc.get("attributes", {})
+    if not isinstance(attrs, dict):
+        raise CacheError(f"{file}: attributes is a JSON {type(attrs).__name__}, expected an object")
+    return attrs
+
+
+def _zarr_open(file: Path, open_fn):
+    """Run zarr's open of the node described by ``file``; any zarr error becomes a CacheError naming it."""
+    try:
+        return open_fn()
+    except CacheError:
+        raise
+    except Exception as e:
+        raise CacheError(f"{file}: zarr cannot open it ({one_line(e)})") from None
+
+
 def read_root_meta(path: str | Path) -> CacheMeta:
     """The CacheMeta stored at ``path``; CacheError when there is no megatron_kd cache there."""
     path = Path(path)
     root_json = path / "zarr.json"
     if not root_json.is_file():
         raise CacheError(f"{path}: no zarr.json; not a megatron_kd cache (or not written yet)")
-    try:
-        doc = json.loads(root_json.read_text())
-    except json.JSONDecodeError as e:
-        raise CacheError(f"{root_json}: unreadable JSON ({e})") from None
-    if doc.get("zarr_format") != 3 or doc.get("node_type") != "group":
-        raise CacheError(f"{root_json}: expected a Zarr v3 group (zarr_format 3, node_type group)")
-    attrs = doc.get("attributes", {}).get(ATTR_KEY)
+    attrs = _zarr_node(load_json(root_json), root_json, "group").get(ATTR_KEY)
     if attrs is None:
         raise CacheError(f"{root_json}: no '{ATTR_KEY}' attributes; not a megatron_kd cache")
-    return CacheMeta.from_attrs(attrs, path=str(path))
+    if not isinstance(attrs, dict):
+        raise CacheError(f"{root_json}: attributes.{ATTR_KEY} is a JSON {type(attrs).__name__}, expected an object")
+    return CacheMeta.from_attrs(attrs, path=str(root_json))
 
 
 def open_root(path: str | Path, mode: str = "r") -> zarr.Group:
-    return zarr.open_group(store=str(path), mode=mode, zarr_format=3)
+    return _zarr_open(Path(path) / "zarr.json", lambda: zarr.open_group(store=str(path), mode=mode, zarr_format=3))
 
 
 def create_partition(root: zarr.Group, meta: CacheMeta, rank: int) -> zarr.Group:
@@ -91,27 +142,125 @@ def create_partition(root: zarr.Group, meta: CacheMeta, rank: int) -> zarr.Group
             name, shape=shape, dtype=dtype, chunks=(chunk_rows, meta.seq_length, meta.topk),
             shards=(shard_rows, meta.seq_length, meta.topk), compressors=_compressor(name), fill_value=0,
         )
-    group.create_array(DONE, shape=(rows,), dtype="uint8", chunks=(shard_rows,), fill_value=0)
+    group.create_array(DONE, shape=(rows,), dtype="uint8", chunks=(shard_rows,), fill_value=0,
+                       compressors=[ZstdCodec(level=0), Crc32cCodec()])
     return group
+
+
+def partition_attrs(path, meta: CacheMeta, rank: int) -> dict | None:
+    """A partition's attributes (rank, rows, complete), checked; None while it is not created yet."""
+    file = Path(path) / partition_name(rank) / "zarr.json"
+    if not file.exists():
+        return None
+    attrs = _zarr_node(load_json(file), file, "group")
+    rows = meta.layout.rows_of(rank)
+    for key, ok, want in (("rank", attrs.get("rank") == rank, rank), ("rows", attrs.get("rows") == rows, rows),
+                          ("complete", isinstance(attrs.get("complete"), bool), "true or false")):
+        if not ok:
+            raise CacheError(f"{file}: attributes.{key} is {attrs.get(key)!r}, expected {want}")
+    return attrs
 
 
 def open_partition(root: zarr.Group, meta: CacheMeta, rank: int, *, path) -> zarr.Group:
-    """An existing partition group, checked against the metadata (shapes, dtypes, presence)."""
+    """An existing partition group, checked against the metadata (attributes, array shapes, dtypes
+    and blocks); every zarr.json on the way is validated first, so damage names its file."""
     name = partition_name(rank)
-    try:
-        group = root[name]
-    except KeyError:
-        raise CacheError(f"{Path(path) / name}: partition of data-parallel rank {rank} is missing") from None
-    rows = meta.layout.rows_of(rank)
-    expected = {"ids": ((rows, meta.seq_length, meta.topk), "uint32"),
-                "logprobs": ((rows, meta.seq_length, meta.topk), "uint16"),
-                DONE: ((rows,), "uint8")}
-    for name_, (shape, dtype) in expected.items():
-        try:
-            arr = group[name_]
-        except KeyError:
-            raise CacheError(f"{Path(path) / name / name_}: array missing") from None
+    part = Path(path) / name
+    attrs = partition_attrs(path, meta, rank)
+    if attrs is None:
+        raise CacheError(f"{part}: partition of data-parallel rank {rank} is missing")
+    if meta.complete and not attrs["complete"]:
+        raise CacheError(f"{part / 'zarr.json'}: attributes.complete is false, expected true (the root's "
+                         f"completion record says every partition is complete)")
+    group = _zarr_open(part / "zarr.json", lambda: root[name])
+    rows, seq, k = meta.layout.rows_of(rank), meta.seq_length, meta.topk
+    shard_rows = min(meta.rows_per_shard, max(rows, 1))
+    chunk_rows = rows_per_chunk(seq, k, shard_rows)
+    # name: (shape, chunks, shards, dtype), as create_partition makes them
+    expected = {"ids": ((rows, seq, k), (chunk_rows, seq, k), (shard_rows, seq, k), "uint32"),
+                "logprobs": ((rows, seq, k), (chunk_rows, seq, k), (shard_rows, seq, k), "uint16"),
+                DONE: ((rows,), (shard_rows,), None, "uint8")}
+    for name_, (shape, chunks, shards, dtype) in expected.items():
+        file = part / name_ / "zarr.json"
+        if not file.exists():
+            raise CacheError(f"{part / name_}: array missing")
+        _zarr_node(load_json(file), file, "array")
+        arr = _zarr_open(file, lambda: group[name_])
         if tuple(arr.shape) != shape or str(arr.dtype) != dtype:
-            raise CacheError(f"{Path(path) / name / name_}: wrong layout, shape {tuple(arr.shape)} dtype "
+            raise CacheError(f"{part / name_}: wrong layout, shape {tuple(arr.shape)} dtype "
                              f"{arr.dtype}, expected shape {shape} dtype {dtype}")
+        if tuple(arr.chunks) != chunks or (tuple(arr.shards) if arr.shards else None) != shards:
+            raise CacheError(f"{file}: chunks {arr.chunks} shards {arr.shards}, expected chunks {chunks} "
+                             f"shards {shards} (rows_per_shard={meta.rows_per_shard})")
     return group
+
+
+# ---------------------------------------------------------------- blocks: shard files / rows_done chunks
+def block_rows(arr: zarr.Array) -> int:
+    """Rows per file of ``arr``: a shard of ids / logprobs, a chunk of rows_done."""
+    return (arr.shards or arr.chunks)[0]
+
+
+def block_file(path, arr: zarr.Array, block: int) -> Path:
+    return Path(path) / arr.path / arr.metadata.encode_chunk_key((block,) + (0,) * (arr.ndim - 1))
+
+
+def strict(arr: zarr.Array) -> zarr.Array:
+    """``arr`` reading a missing file as an error, not as fill values."""
+    return arr.with_config({"read_missing_chunks": False})
+
+
+def read_rows(path, arr: zarr.Array, r0: int, r1: int, *, missing_ok: bool = False) -> np.ndarray:
+    """``arr[r0:r1]`` (``arr`` from ``strict`` unless ``missing_ok``); on failure, CacheError naming
+    the first of its files that is missing or does not decode (CRC32C, truncation)."""
+    try:
+        return arr[r0:r1]
+    except Exception as e:
+        err = e
+    per = block_rows(arr)
+    for block in range(r0 // per, (r1 - 1) // per + 1):
+        file = block_file(path, arr, block)
+        if not missing_ok and not file.is_file():
+            last = min((block + 1) * per, arr.shape[0]) - 1
+            raise CacheError(f"{file}: missing (rows {block * per}..{last} of {arr.path}); the store records "
+                             f"them as written")
+        try:
+            arr[max(r0, block * per):min(r1, (block + 1) * per)]
+        except Exception as e:
+            raise CacheError(f"{file}: unreadable, truncated or corrupted ({one_line(e)})") from None
+    raise CacheError(f"{Path(path) / arr.path}: rows {r0}..{r1 - 1} unreadable ({one_line(err)})") from None
+
+
+def read_done(path, group: zarr.Group, rank: int) -> np.ndarray:
+    """rows_done of a partition as bool, checked: 0 / 1 only, and every row done once the partition
+    is complete (then a missing chunk is an error; before, it is rows not written yet)."""
+    arr = group[DONE]
+    complete = bool(group.attrs["complete"])
+    raw = read_rows(path, strict(arr) if complete else arr, 0, arr.shape[0], missing_ok=not complete)
+    bad = np.flatnonzero(raw > 1)
+    if len(bad):
+        raise CacheError(f"{block_file(path, arr, int(bad[0]) // block_rows(arr))}: rows_done holds {int(raw[bad[0]])} "
+                         f"for row {int(bad[0])}, expected 0 or 1")
+    done = raw.astype(bool)
+    if complete and not done.all():
+        row = int(np.flatnonzero(~done)[0])
+        raise CacheError(f"{block_file(path, arr, row // block_rows(arr))}: row {row} is not marked done, expected "
+                         f"every row done (partition {rank} is marked complete)")
+    return done
+
+
+def require_files(path, arr: zarr.Array, blocks) -> int:
+    """Cheap existence check (one stat each, nothing decoded) of ``arr``'s files for ``blocks``;
+    CacheError naming the first one missing or empty. Returns how many were checked."""
+    n = 0
+    for block in blocks:
+        file = block_file(path, arr, int(block))
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            raise CacheError(f"{file}: missing (rows from {int(block) * block_rows(arr)} of {arr.path}); the "
+                             f"store records them as written") from None
+        if size == 0:
+            raise CacheError(f"{file}: empty, expected a shard of rows {int(block) * block_rows(arr)}.. of {arr.path}")
+        n += 1
+    return n

@@ -3,13 +3,21 @@
 Ranks write concurrently, each only its own partition group; the root zarr.json is created once
 with content every rank agrees on, and rewritten only by whichever rank completes the last
 partition. Samples are buffered until a shard's rows are all present, then the shard is written in
-one piece and its rows are marked in ``rows_done``, so a killed build loses at most the shards it
-was filling. Opening a writer again on the same path with the same parameters resumes: rows
-already done are skipped (``pending_samples`` lists the rest) and the finished store is
-byte-identical to an uninterrupted build.
+one piece and only then are its rows marked in ``rows_done`` (zarr writes each file under a
+temporary name and renames it into place), so a row marked done is always on disk and a killed
+build loses at most the shards it was filling. Opening a writer again on the same path with the
+same parameters resumes: rows already done are skipped (``pending_samples`` lists the rest) and the
+finished store is byte-identical to an uninterrupted build.
+
+One writer per partition: the writer holds an exclusive flock on the partition's lock file until
+``close``; a second writer on the same rank gets a CacheError. The OS drops the lock with the
+process, so a killed writer leaves no stale lock.
 """
 
 from __future__ import annotations
+
+import fcntl
+from pathlib import Path
 
 import numpy as np
 import zarr
@@ -19,14 +27,18 @@ from megatron_kd.cache.meta import ATTR_KEY, METADATA_KEYS, MODES, CacheMeta
 from megatron_kd.cache.store import (
     ARRAYS,
     DONE,
+    LOCK_FILE,
     create_partition,
     default_rows_per_shard,
     open_partition,
     open_root,
+    partition_attrs,
     partition_name,
+    read_done,
     read_root_meta,
+    read_rows,
+    strict,
 )
-from pathlib import Path
 
 
 def _open_or_create_root(path: Path, meta: CacheMeta) -> zarr.Group:
@@ -40,6 +52,26 @@ def _open_or_create_root(path: Path, meta: CacheMeta) -> zarr.Group:
         raise CacheError(f"{path}: existing cache has {name}={have!r}, this writer has {name}={want!r}; "
                          f"use another path or the original parameters")
     return open_root(path, mode="r+")
+
+
+def _lock_partition(path: Path, rank: int):
+    """An open lock file of partition ``rank`` under an exclusive flock; CacheError if another
+    writer (this process or any other) holds it."""
+    part = path / partition_name(rank)
+    part.mkdir(parents=True, exist_ok=True)
+    file = part / LOCK_FILE
+    handle = open(file, "ab")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise CacheError(f"{file}: another writer holds partition {rank} of {path}; one writer per data-parallel "
+                         f"rank (wait for it, or stop it: a killed writer's lock goes with its process)") from None
+    except OSError as e:
+        handle.close()
+        raise CacheError(f"{file}: cannot lock partition {rank} ({e.strerror}); the cache needs a filesystem "
+                         f"with flock") from None
+    return handle
 
 
 class CacheWriter:
@@ -75,15 +107,31 @@ class CacheWriter:
             **metadata,
         )
         self.root = _open_or_create_root(self.path, self.meta)
-        name = partition_name(dp_rank)
-        if name in self.root:
-            self.group = open_partition(self.root, self.meta, dp_rank, path=self.path)
-        else:
-            self.group = create_partition(self.root, self.meta, dp_rank)
-        self.samples = self.meta.layout.samples_of(dp_rank)
-        self.shard_rows = self.group["ids"].shards[0]
-        self.done = self.group[DONE][:].astype(bool)
+        self._lock = _lock_partition(self.path, dp_rank)
+        try:
+            if partition_attrs(self.path, self.meta, dp_rank) is not None:
+                self.group = open_partition(self.root, self.meta, dp_rank, path=self.path)
+            else:
+                self.group = create_partition(self.root, self.meta, dp_rank)
+            if not self.group.attrs["complete"]:
+                # a killed writer can leave zarr's temporary files behind; under the lock none is in flight
+                for stale in (self.path / partition_name(dp_rank)).rglob("*.partial"):
+                    stale.unlink(missing_ok=True)
+            self.samples = self.meta.layout.samples_of(dp_rank)
+            self.shard_rows = self.group["ids"].shards[0]
+            self.done = read_done(self.path, self.group, dp_rank)
+        except BaseException:
+            self._unlock()
+            raise
         self._buffers: dict[int, dict] = {}  # shard index -> {"ids", "logprobs", "filled"}
+
+    def _unlock(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            self._lock.close()  # releases the flock
+            self._lock = None
+
+    def __del__(self):
+        self._unlock()
 
     # ---------------------------------------------------------------- progress
     @property
@@ -110,6 +158,9 @@ class CacheWriter:
     def write(self, sample_idx, topk_ids, topk_logprobs) -> int:
         """Store samples: ``sample_idx`` an int with [seq_length, K] tensors, or n indices with
         [n, seq_length, K]. Samples already on disk are skipped. Returns how many were new."""
+        if self._lock is None:
+            raise CacheError(f"{self.path / partition_name(self.rank)}: this writer is closed; open a new one "
+                             f"to resume")
         indices = np.atleast_1d(np.asarray(sample_idx, dtype=np.int64))
         expect = (len(indices), self.meta.seq_length, self.meta.topk)
         if np.ndim(sample_idx) == 0:
@@ -151,7 +202,7 @@ class CacheWriter:
                "filled": self.done[start:stop].copy()}
         if buf["filled"].any():  # rows written by an earlier, interrupted run: rewrite the shard whole
             for name in ARRAYS:
-                buf[name][:] = self.group[name][start:stop]
+                buf[name][:] = read_rows(self.path, strict(self.group[name]), start, stop)
         return buf
 
     def _flush(self, shard: int) -> None:
@@ -171,15 +222,21 @@ class CacheWriter:
 
     def close(self) -> bool:
         """Write what is buffered; record completion if every sample of the partition is present
-        (and the whole store's completion if every partition is). Returns partition completeness."""
-        for shard in sorted(self._buffers):
-            self._flush(shard)
-        if not self.done.all():
-            return False
-        if not self.group.attrs.get("complete"):
-            self.group.attrs.update({"complete": True})
-        self._complete_store_if_last()
-        return True
+        (and the whole store's completion if every partition is); release the partition's lock.
+        Returns partition completeness."""
+        if self._lock is None:  # closed already
+            return bool(self.done.all())
+        try:
+            for shard in sorted(self._buffers):
+                self._flush(shard)
+            if not self.done.all():
+                return False
+            if not self.group.attrs.get("complete"):
+                self.group.attrs.update({"complete": True})
+            self._complete_store_if_last()
+            return True
+        finally:
+            self._unlock()
 
     def _complete_store_if_last(self) -> None:
         # Each rank marks its own partition before looking at the others, so the last one to
@@ -187,8 +244,8 @@ class CacheWriter:
         for rank in range(self.meta.dp_size):
             if rank == self.rank:
                 continue
-            name = partition_name(rank)
-            if name not in self.root or not zarr.open_group(store=str(self.path / name), mode="r").attrs.get("complete"):
+            attrs = partition_attrs(self.path, self.meta, rank)
+            if attrs is None or not attrs["complete"]:
                 return
         if not read_root_meta(self.path).complete:
             self.meta.complete = True
@@ -200,3 +257,5 @@ class CacheWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
+        else:  # buffered rows are dropped, as in a crash; the next writer resumes
+            self._unlock()

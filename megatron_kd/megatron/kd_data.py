@@ -2,8 +2,9 @@
 
 ``KDDataset`` wraps a GPTDataset: item i is the dataset's sample i plus its global index and its
 cached teacher ids / log-probs. Start-up checks the cache against the run (vocabulary, K,
-sequence length, tokenizer and dataset fingerprints) and stops with one clear message on any
-difference. Readers are opened lazily in each process (DataLoader workers prefetch in parallel).
+sequence length, tokenizer and dataset fingerprints) and that every shard file the run's samples
+need is there, and stops with one clear message on any difference. Readers are opened lazily in
+each process (DataLoader workers prefetch in parallel).
 
 ``get_kd_batch`` extends Megatron's ``get_batch_on_this_tp_rank``: TP rank 0 reads the batch and
 broadcasts every tensor to its TP group (Megatron's own broadcast covers only fixed keys), then
@@ -45,6 +46,10 @@ class KDDataset(torch.utils.data.Dataset):
         if reader.meta.num_samples < required:
             raise CacheError(f"--kd-cache {self.cache_path}: holds {reader.meta.num_samples} samples, this run "
                              f"consumes {required}; build the cache with the run's --train-iters / batch size")
+        try:  # cheap (a stat per shard file): a deleted shard must stop start-up, not read as zeros
+            reader.check_files(range(required))
+        except CacheError as e:
+            raise CacheError(f"--kd-cache is damaged: {e}") from None
         self.meta = reader.meta
         self._reader, self._pid = reader, os.getpid()
 

@@ -5,9 +5,18 @@
 3. a build killed with SIGKILL mid-write, then resumed, is byte-identical to an uninterrupted one
 4. written with dp_size 4, read with dp_size 2 and 1 (and prefetched in training order)
 5. every bad input / store raises one CacheError naming the field or file; the CLI exits 2
+6. integrity: a missing shard (or rows_done chunk) is an error on read, in verify / inspect and at
+   training start-up; damage to any file the store writes is one CacheError naming it; verify and
+   inspect reach the last block
+7. one writer per partition (a killed writer leaves no stale lock); a crash just before or just after
+   a shard's rows_done lands never leaves a row marked done without its data
+8. the codec's precision holds down to the documented floor, and the partition map is the order
+   megatron-core's sampler hands samples to each data-parallel rank
 """
 
 import json
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,10 +27,11 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+import zarr
 
 from kd_inputs import teacher_topk
-from megatron_kd.cache import CacheError, CacheReader, CacheWriter
-from megatron_kd.cache.codec import decode_topk, encode_topk
+from megatron_kd.cache import CacheError, CacheReader, CacheWriter, PartitionLayout
+from megatron_kd.cache.codec import LOGPROB_SCALE, MAX_CODE, decode_topk, encode_topk
 from megatron_kd.cache.inspect import inspect, verify
 from megatron_kd.cli import main as cli_main
 
@@ -278,3 +288,311 @@ def test_cli_inspect_and_verify(tmp_path, seed, capsys):
     assert summary["samples"] == 4 and summary["topk"] == K and summary["teacher_fingerprint"] == "teacher-xyz"
     assert summary["bytes_per_token"] > 0
     assert cli_main(["cache", "verify", str(tmp_path / "missing")]) == 2
+
+
+# ------------------------------------------------------------------------------------------------------
+# Integrity (issue 12): every file the store writes is checked, a missing shard is an error, one writer
+# per partition, rows_done only after the shard data, and the promises the layout and codec make.
+
+_META = {"tokenizer_fingerprint": "tok-fp", "dataset_fingerprint": "data-fp"}
+# 13 samples, dp_size 2, mbs 2, 3 rows per shard: partition 0 holds 7 rows (shards of 3, 3, 1), partition 1 holds 6
+_N, _DP, _MBS, _ROWS = 13, 2, 2, 3
+
+
+@pytest.fixture(scope="module")
+def template(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "c"
+    build(path, num_samples=_N, dp_size=_DP, mbs=_MBS, rows_per_shard=_ROWS, **_META)
+    return path
+
+
+@pytest.fixture
+def store(template, tmp_path) -> Path:
+    """A fresh copy of a complete two-partition store."""
+    path = tmp_path / "c"
+    shutil.copytree(template, path)
+    return path
+
+
+def _writer(path, rank, **kw) -> CacheWriter:
+    return CacheWriter(path, vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=_N, dp_rank=rank, dp_size=_DP,
+                       micro_batch_size=_MBS, rows_per_shard=_ROWS, metadata=_META, **kw)
+
+
+def _block_files(path: Path, rank: int, name: str) -> list[Path]:
+    """The shard files of ``ids`` / ``logprobs`` (or the chunk files of ``rows_done``) of a partition, in row order."""
+    base = path / f"dp_{rank:05d}" / name / "c"
+    return sorted((p for p in base.rglob("*") if p.is_file()), key=lambda p: int(p.relative_to(base).parts[0]))
+
+
+def _block_samples(rank: int, block: int) -> np.ndarray:
+    return PartitionLayout(_N, _DP, _MBS).samples_of(rank)[block * _ROWS:(block + 1) * _ROWS]
+
+
+def _cli_error(argv, capsys) -> str:
+    """Run the CLI; it must exit 2 with one error line on stderr (tqdm's progress lines aside)."""
+    capsys.readouterr()
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("verify:", "inspect:"))]
+    assert len(lines) == 1 and lines[0].startswith("megatron-kd: error:"), err
+    return lines[0]
+
+
+def _raises_naming(file: Path, fn, *args, **kw):
+    with pytest.raises(CacheError) as info:
+        fn(*args, **kw)
+    assert str(file) in str(info.value), (str(file), str(info.value))
+    assert "\n" not in str(info.value)
+
+
+def _read_all(path):
+    return CacheReader(path).read(range(_N))
+
+
+@pytest.mark.parametrize("array", ["ids", "logprobs", "rows_done"])
+def test_missing_shard_file_is_an_error(store, seed, capsys, array):
+    """A deleted shard read back as fill values (log-probs 0, ids 0) while verify said OK and inspect
+    reported a teacher mass of 3.11: it must stop reads, verify and inspect, naming the file."""
+    rng = np.random.default_rng(seed)
+    rank = int(rng.integers(_DP))
+    files = _block_files(store, rank, array)
+    block = int(rng.integers(len(files)))
+    files[block].unlink()
+    _raises_naming(files[block], CacheReader(store).read, _block_samples(rank, block))
+    _raises_naming(files[block], verify, store, progress=False)
+    _raises_naming(files[block], inspect, store, progress=False)
+    assert str(files[block]) in _cli_error(["cache", "verify", str(store)], capsys)
+    assert str(files[block]) in _cli_error(["cache", "inspect", str(store)], capsys)
+
+
+def test_training_startup_checks_every_shard_it_will_read(store, seed, monkeypatch):
+    """KDDataset stops at start-up on a missing shard of a sample the run consumes, naming the file,
+    and does not care about shards past the samples the run consumes."""
+    from types import SimpleNamespace
+
+    import megatron_kd.megatron.kd_data as kd_data
+
+    monkeypatch.setattr(kd_data, "tokenizer_fingerprint", lambda tok: _META["tokenizer_fingerprint"])
+    base = SimpleNamespace(config=SimpleNamespace(sequence_length=SEQ),
+                           unique_description_hash=_META["dataset_fingerprint"])
+    tok = SimpleNamespace(vocab_size=VOCAB)
+    rng = np.random.default_rng(seed)
+    rank, name = int(rng.integers(_DP)), str(rng.choice(["ids", "logprobs"]))
+    files = _block_files(store, rank, name)
+    block = int(rng.integers(1, len(files)))  # not the first: some samples come before it
+    files[block].unlink()
+    _raises_naming(files[block], kd_data.KDDataset, base, str(store), tokenizer=tok, required_samples=_N)
+    first = int(_block_samples(rank, block).min())  # a shorter run never reads that shard
+    kd_data.KDDataset(base, str(store), tokenizer=tok, required_samples=first)
+
+
+def _damage_json(how: str, rng, data: bytes) -> bytes:
+    return {"random bytes": lambda: rng.bytes(len(data)), "[]": lambda: b"[]",
+            "invalid JSON": lambda: data[:len(data) // 2]}[how]()
+
+
+@pytest.mark.parametrize("kind, how", [
+    *[(kind, how) for kind in ("root zarr.json", "partition zarr.json", "array zarr.json")
+      for how in ("random bytes", "[]", "invalid JSON")],
+    *[(kind, "flipped byte") for kind in ("rows_done", "ids", "logprobs")],
+])
+def test_corrupt_file_is_one_error_naming_it(store, seed, capsys, kind, how):
+    """Every file the store writes is checksummed (shards, rows_done) or validated (zarr.json): damage
+    gives one CacheError naming the file, from the reader, verify, inspect, the CLI and a resuming writer."""
+    rng = np.random.default_rng(seed)
+    rank = int(rng.integers(_DP))
+    part = store / f"dp_{rank:05d}"
+    if kind == "root zarr.json":
+        file = store / "zarr.json"
+    elif kind == "partition zarr.json":
+        file = part / "zarr.json"
+    elif kind == "array zarr.json":
+        file = part / str(rng.choice(["ids", "logprobs", "rows_done"])) / "zarr.json"
+    else:
+        files = _block_files(store, rank, kind)
+        file = files[int(rng.integers(len(files)))]
+    data = bytearray(file.read_bytes())
+    if how == "flipped byte":
+        data[int(rng.integers(len(data)))] ^= int(rng.integers(1, 256))
+    else:
+        data = _damage_json(how, rng, bytes(data))
+    file.write_bytes(bytes(data))
+
+    _raises_naming(file, _read_all, store)
+    _raises_naming(file, verify, store, progress=False)
+    _raises_naming(file, inspect, store, progress=False)
+    assert str(file) in _cli_error(["cache", "verify", str(store)], capsys)
+    assert str(file) in _cli_error(["cache", "inspect", str(store)], capsys)
+    if kind not in ("ids", "logprobs"):  # a writer reopening the partition reads everything else
+        _raises_naming(file, _writer, store, rank)
+
+
+def test_verify_and_inspect_reach_the_last_block(store, seed):
+    """Damage the last block of the last partition (a scan that stops one block early misses it)."""
+    rng = np.random.default_rng(seed)
+    file = _block_files(store, _DP - 1, str(rng.choice(["ids", "logprobs"])))[-1]
+    data = bytearray(file.read_bytes())
+    data[int(rng.integers(len(data)))] ^= int(rng.integers(1, 256))
+    file.write_bytes(bytes(data))
+    _raises_naming(file, verify, store, progress=False)
+    _raises_naming(file, inspect, store, progress=False)
+
+
+_LOCK_CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path[:0] = {paths!r}
+    from test_cache import _writer
+    w = _writer({path!r}, 1)
+    print("locked", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_one_writer_per_partition(tmp_path, seed):
+    """A second writer on a partition is refused while the first holds it (in this process or
+    another); other partitions stay free, and a killed writer leaves no stale lock."""
+    path = tmp_path / "c"
+    first = _writer(path, 0)
+    with pytest.raises(CacheError, match=f"another writer holds partition 0 of {re.escape(str(path))}"):
+        _writer(path, 0)
+    here = str(Path(__file__).parent)
+    child = subprocess.Popen([sys.executable, "-c", _LOCK_CHILD.format(paths=[here, str(Path(here).parent)],
+                                                                      path=str(path))],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "locked"
+        with pytest.raises(CacheError, match="another writer holds partition 1"):
+            _writer(path, 1)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    for s in first.pending_samples():
+        first.write(int(s), *sample_data(int(s), 0))
+    first.close()
+    with _writer(path, 1) as w:  # the killed child's lock went with it
+        for s in w.pending_samples():
+            w.write(int(s), *sample_data(int(s), 0))
+    with _writer(path, 0) as again:  # closed writers release their lock
+        assert len(again.pending_samples()) == 0
+    assert verify(path, progress=False)["ok"]
+
+
+_CRASH_CHILD = textwrap.dedent("""
+    import os, signal, sys
+    sys.path[:0] = {paths!r}
+    import zarr.storage._local as local
+    from test_cache import _writer, sample_data
+
+    # zarr writes each file under a temporary name, then renames it into place: crash just before
+    # or just after the rename of the target (the rows_done chunk of one shard)
+    rename = local._move_with_retry
+
+    def crash_at_target(tmp, path, *args):
+        at_target = str(path).endswith({target!r})
+        if at_target and {when!r} == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        rename(tmp, path, *args)
+        if at_target and {when!r} == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    local._move_with_retry = crash_at_target
+    with _writer({path!r}, 1) as w:
+        for s in w.pending_samples():
+            w.write(int(s), *sample_data(int(s), 0))
+""")
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_crash_around_rows_done_write(template, tmp_path, seed, when):
+    """The writer's crash-ordering promise: a row is marked in rows_done only once its shard data is
+    on disk. Kill the writer at the exact dangerous point, just before or just after the rows_done
+    chunk of a shard lands: every row marked done must read back correctly, and the resumed build
+    must be byte-identical to an uninterrupted one."""
+    path = tmp_path / "crashed"
+    build(path, num_samples=_N, dp_size=_DP, mbs=_MBS, ranks=[0], **_META)
+    shard = 1
+    target = f"dp_00001/rows_done/c/{shard}"
+    here = str(Path(__file__).parent)
+    script = _CRASH_CHILD.format(paths=[here, str(Path(here).parent)], path=str(path), target=target, when=when)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    part = path / "dp_00001"
+    data_files = [part / name / "c" / str(shard) / "0" / "0" for name in ("ids", "logprobs")]
+    if when == "before":  # the shard's data is on disk, its rows are not marked done
+        assert all(f.is_file() for f in data_files) and not (path / target).exists()
+    done = zarr.open_array(str(part / "rows_done"), mode="r")[:].astype(bool)
+    assert done[:shard * _ROWS].all() and done[shard * _ROWS:].all() == (when == "after")
+    # the promise itself: every row marked done is on disk, intact
+    samples = PartitionLayout(_N, _DP, _MBS).samples_of(1)[done]
+    ids, lps = CacheReader(path, allow_incomplete=True).read(samples)
+    for j, s in enumerate(samples):
+        assert_same_topk(ids[j], lps[j], *sample_data(int(s), 0))
+
+    build(path, num_samples=_N, dp_size=_DP, mbs=_MBS, ranks=[1], **_META)  # resume
+    assert _tree_bytes(path) == _tree_bytes(template)
+    assert verify(path, progress=False)["ok"]
+
+
+def test_codec_precision_down_to_the_documented_floor(seed):
+    """Log-probs are stored within 1/514 nat (every p within 2^-9 relative) down to -255, not only at
+    the depths teacher data usually reaches; anything deeper is stored as the floor, not as padding."""
+    rng = np.random.default_rng(seed)
+    limit = -(MAX_CODE + 0.5) / LOGPROB_SCALE  # ~ -254.998: the deepest value rounding to a code
+    deep = np.concatenate([[-254.9, -254.99, -254.995, limit + 1e-4, -200.0, -128.0, -32.5, -32.0, -16.0, 0.0],
+                           rng.uniform(limit + 1e-4, 0, 100 * 100 - 10)]).astype(np.float32)
+    lps = torch.from_numpy(deep).view(100, 100)
+    ids = torch.arange(100 * 100).view(100, 100)  # sorted per token: entries keep their order
+    deltas, codes = encode_topk(ids, lps, 20_000)
+    stored = -codes.astype(np.float64) / LOGPROB_SCALE
+    assert np.abs(stored - lps.double().numpy()).max() <= 0.5 / LOGPROB_SCALE + 1e-9
+    assert np.expm1(np.abs(stored - lps.double().numpy())).max() < 2**-9
+    back_ids, back = decode_topk(deltas, codes)
+    assert torch.equal(back_ids, ids.int())
+    # float32 decoding adds one rounding of a value of magnitude < 256 (ulp 2^-16)
+    assert (back.double() - lps.double()).abs().max() <= 0.5 / LOGPROB_SCALE + 2**-16
+
+    below = torch.tensor([[-255.0, -255.5, -300.0, -1e4, -3e38, float("-inf")]])
+    below_ids, below_back = decode_topk(*encode_topk(torch.arange(6).view(1, 6), below, 10))
+    floor = np.float32(-MAX_CODE / LOGPROB_SCALE)
+    assert below_back[0, :5].tolist() == [floor] * 5 and below_ids[0, :5].tolist() == [0, 1, 2, 3, 4]
+    assert below_ids[0, 5] == -1 and below_back[0, 5] == float("-inf")  # -inf stays padding
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # importing megatron.training: optional packages absent
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_partition_map_is_megatron_sampler_order(tmp_path, seed, drop_last):
+    """Partition r lists, front to back, exactly the samples megatron-core's pretraining sampler hands
+    data-parallel rank r, and a writer fed in that order appends rows sequentially."""
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        dp, mbs = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        n = int(rng.integers(1, 6 * dp * mbs))
+        layout = PartitionLayout(n, dp, mbs)
+        for rank in range(dp):
+            order = [s for batch in MegatronPretrainingSampler(n, 0, mbs, rank, dp, drop_last=drop_last)
+                     for s in batch]
+            rows = layout.samples_of(rank)
+            assert order == rows[:len(order)].tolist(), (n, dp, mbs, rank)
+            if not drop_last:
+                assert len(order) == len(rows)
+            got_rank, got_row = layout.locate(order)
+            assert (got_rank == rank).all() and got_row.tolist() == list(range(len(order)))
+
+    n, dp, mbs, shard_rows = 22, 3, 2, 3
+    for rank in range(dp):
+        w = CacheWriter(tmp_path / "c", vocab_size=50, topk=2, seq_length=4, num_samples=n, dp_rank=rank, dp_size=dp,
+                        micro_batch_size=mbs, rows_per_shard=shard_rows)
+        order = [s for batch in MegatronPretrainingSampler(n, 0, mbs, rank, dp, drop_last=False) for s in batch]
+        assert w.pending_samples().tolist() == order
+        for i, s in enumerate(order):
+            w.write(s, torch.tensor([[s % 49, 49]] * 4), torch.full((4, 2), -1.0))
+            # each shard reaches the disk as soon as its last row arrives: rows are appended in order
+            flushed = len(order) if i + 1 == len(order) else (i + 1) // shard_rows * shard_rows
+            assert w.pending_samples().tolist() == order[flushed:]
+        assert w.close()
+    ids, _ = CacheReader(tmp_path / "c").read(range(n))
+    assert ids[:, 0, 0].tolist() == [s % 49 for s in range(n)]
