@@ -13,6 +13,7 @@ from typing import Literal
 from megatron_kd.ops import IMPLS, TAILS
 
 KD_IMPLS = ("fused", "dense")
+CE_IMPLS = ("fused", "megatron")
 CACHE_MODES = ("topk", "sampled")
 
 
@@ -28,12 +29,15 @@ class KDConfig:
     chunk_size: int | None = None
     impl: Literal["fused", "dense"] = "fused"
     op_impl: str = "auto"
+    ce_impl: Literal["fused", "megatron"] = "fused"
 
     def __post_init__(self):
         if self.tail not in TAILS:
             raise ValueError(f"--kd-tail must be one of {TAILS}, got {self.tail!r}")
         if self.impl not in KD_IMPLS:
             raise ValueError(f"--kd-impl must be one of {KD_IMPLS}, got {self.impl!r}")
+        if self.ce_impl not in CE_IMPLS:
+            raise ValueError(f"--kd-ce-impl must be one of {CE_IMPLS}, got {self.ce_impl!r}")
         if self.weight < 0 or self.ce_weight < 0:
             raise ValueError("--kd-weight and --kd-ce-weight must be >= 0")
         if self.temperature <= 0:
@@ -66,6 +70,10 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--kd-impl", choices=KD_IMPLS, default="fused",
                        help="'fused': the chunked loss from hidden states; 'dense': the materializing baseline "
                             "(full logits), for comparisons.")
+    group.add_argument("--kd-ce-impl", choices=CE_IMPLS, default="fused",
+                       help="Batches without a teacher (training without --kd-cache, validation): 'fused' computes "
+                            "the cross-entropy with the fused chunked op (no [tokens x vocabulary] logits), "
+                            "'megatron' with Megatron's output layer + vocab-parallel cross-entropy.")
     group.add_argument("--kd-op-impl", choices=IMPLS, default="auto",
                        help="Implementation of the fused op: 'triton' (CUDA kernels), 'torch' (plain torch), "
                             "'auto' (Triton on CUDA, torch on CPU).")

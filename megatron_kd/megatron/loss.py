@@ -10,6 +10,7 @@ CE loss and teacher mass as [sum, tokens] pairs that Megatron averages over micr
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -61,6 +62,14 @@ def loss_func(output):
     return loss, num_tokens, report
 
 
+def fused_ce_loss_func(output):
+    """Cross-entropy batches through the fused op (``--kd-ce-impl fused``): loss and CE report."""
+    loss, stats = output
+    tokens = stats[3]
+    pair = torch.stack([loss.detach().float(), tokens.float()])
+    return loss, tokens.detach().to(torch.int), {"lm loss": pair, "ce loss": pair}
+
+
 def ce_loss_func(loss_mask, per_token_loss):
     """Batches without teacher tensors (validation): the student's cross-entropy."""
     mask = loss_mask.reshape(-1).float()
@@ -74,13 +83,18 @@ class KDForwardStep:
     """Megatron ``forward_step_func``: batch (with teacher tensors) -> model -> fused KD loss.
 
     Used as is by ``megatron-kd train`` (megatron.training.pretrain) and by the CPU demo's loop.
-    Batches without teacher tensors (validation) get the plain cross-entropy. Counts tokens
-    between calls to report tokens/s.
+    Batches without teacher tensors (training without a cache, validation) get the plain
+    cross-entropy: through the same fused op (``ce_impl="fused"``: no [tokens x vocabulary] logits)
+    or Megatron's output layer + cross-entropy (``"megatron"``). Counts tokens between calls to
+    report tokens/s.
     """
 
     def __init__(self, config: KDConfig, *, tp_group=None, cp_group=None, device=None,
                  is_first_stage=lambda: True, is_last_stage=lambda: True):
         self.config = config
+        # cross-entropy alone through the same fused op (batches without a teacher)
+        self._ce_config = dataclasses.replace(config, weight=0.0, ce_weight=1.0, tail="none", temperature=1.0,
+                                              impl="fused")
         self.tp_group, self.cp_group, self.device = tp_group, cp_group, device
         self.is_first_stage, self.is_last_stage = is_first_stage, is_last_stage
         self.tokens_seen, self._t0 = 0, time.perf_counter()
@@ -101,9 +115,19 @@ class KDForwardStep:
         if not last:
             return model(batch["tokens"], batch["position_ids"], None), partial(loss_func)
         if "teacher_ids" not in batch:
-            per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                              loss_mask=batch["loss_mask"])
-            return per_token, partial(ce_loss_func, batch["loss_mask"])
+            if self.config.ce_impl == "megatron":
+                per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                                  loss_mask=batch["loss_mask"])
+                return per_token, partial(ce_loss_func, batch["loss_mask"])
+            # the fused op with no teacher: one padded teacher entry per token, KD weight 0
+            b, s = batch["tokens"].shape
+            no_teacher = torch.full((b, s, 1), -1, dtype=torch.int32, device=batch["tokens"].device)
+            context = KDContext(self._ce_config, no_teacher, torch.full((b, s, 1), float("-inf"),
+                                                                         device=batch["tokens"].device))
+            output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                           loss_mask=batch["loss_mask"], output_processor=kd_output_processor,
+                           output_processor_context=context)
+            return output, fused_ce_loss_func
         context = KDContext(self.config, batch["teacher_ids"], batch["teacher_logprobs"])
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=batch["loss_mask"], output_processor=kd_output_processor,

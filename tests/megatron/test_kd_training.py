@@ -77,6 +77,34 @@ def _step_worker(rank, world, seed, sequence_parallel):
         assert int(num_tokens) == int(batch["loss_mask"].sum())
 
 
+def _ce_worker(rank, world, seed):
+    with megatron_cpu_patches():
+        group = init_tensor_parallel(world)
+        batch = {k: v for k, v in _batch(seed).items() if not k.startswith("teacher")}  # no teacher: CE
+        results = {}
+        for ce_impl in ("fused", "megatron"):
+            model = _student(world, False)
+            step = KDForwardStep(KDConfig(ce_impl=ce_impl, chunk_size=7), tp_group=group, device=torch.device("cpu"))
+            output, loss_fn = step(iter([batch]), model)
+            loss, num_tokens, report = loss_fn(output)
+            loss.backward()
+            results[ce_impl] = loss.detach(), report, {n: p.grad.clone() for n, p in model.named_parameters()}
+        (l1, r1, g1), (l2, r2, g2) = results["fused"], results["megatron"]
+        assert rel_err(l1, l2) < 1e-5 and r1.keys() == r2.keys() == {"lm loss", "ce loss"}
+        for key in r1:
+            assert rel_err(r1[key], r2[key]) < 1e-5, key
+        assert g1.keys() == g2.keys()
+        for name in g1:
+            assert rel_err(g1[name], g2[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_fused_cross_entropy_equals_megatron(seed, tp):
+    """Batches without a teacher (training without --kd-cache, validation) through the fused op give
+    Megatron's own output layer + vocab-parallel cross-entropy: loss, report and every gradient."""
+    spawn(_ce_worker, seed, world_size=tp)
+
+
 # Sequence parallelism needs Transformer Engine's (or Apex's) LayerNorm in megatron-core's layer
 # specs; the op's sequence-parallel path is covered in tests/ops/test_topk_kl_parallel.py.
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
