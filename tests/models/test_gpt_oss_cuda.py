@@ -49,30 +49,31 @@ def test_gpt_oss_teacher_student_export(tmp_path):
     data = str(write_indexed_dataset(tmp_path / "data" / "docs", docs, TOKENIZER_TOKENS))
     cache = tmp_path / "cache"
     log = run_cli(["cache", "build", *_flags(tmp_path, data, 2), "--kd-teacher-hf", str(hf), "--kd-cache", str(cache),
-                "--kd-topk", "16"], tmp_path, "build", 1)
+                   "--kd-topk", "16"], tmp_path, "build", 1)
     assert "8 samples" in log, log[-3000:]
 
-    frozen = tmp_path / "frozen"
-    log = run_cli(["train", *_flags(tmp_path, data, 2), "--kd-student-hf", str(hf), "--kd-cache", str(cache),
-                "--lr", "0", "--save", str(frozen), "--save-interval", "2"], tmp_path, "frozen", 1)
+    def distill_and_export(name: str, lr: str) -> tuple[str, Path]:
+        """Distill from the HF start for two steps at ``lr``, save, export; (training log, HF directory)."""
+        ckpt, out = tmp_path / name, tmp_path / f"{name}-hf"
+        log = run_cli(["train", *_flags(tmp_path, data, 2), "--kd-student-hf", str(hf), "--kd-cache", str(cache),
+                       "--lr", lr, "--save", str(ckpt), "--save-interval", "2"], tmp_path, name, 1)
+        run_cli(["export-hf", *_flags(tmp_path, data, 2), "--load", str(ckpt), "--kd-student-hf", str(hf),
+                 "--out", str(out)], tmp_path, f"export-{name}", 1)
+        return log, out
+
+    log, frozen = distill_and_export("frozen", "0")
     assert "kd loss" in log, log[-3000:]
-    run_cli(["export-hf", *_flags(tmp_path, data, 2), "--load", str(frozen), "--kd-student-hf", str(hf), "--out", str(tmp_path / "frozen-hf")],
-         tmp_path, "export-frozen", 1)
-    before, after = _tensors(hf), _tensors(tmp_path / "frozen-hf")
+    before, after = _tensors(hf), _tensors(frozen)
     assert before.keys() == after.keys()
     for key in before:
         assert torch.equal(before[key].to(torch.bfloat16), after[key]), key
 
-    trained = tmp_path / "trained"
-    log = run_cli(["train", *_flags(tmp_path, data, 2), "--kd-student-hf", str(hf), "--kd-cache", str(cache),
-                "--lr", "1e-3", "--save", str(trained), "--save-interval", "2"], tmp_path, "trained", 1)
+    log, trained = distill_and_export("trained", "1e-3")
     assert "teacher mass" in log, log[-3000:]
-    run_cli(["export-hf", *_flags(tmp_path, data, 2), "--load", str(trained), "--kd-student-hf", str(hf), "--out", str(tmp_path / "trained-hf")],
-         tmp_path, "export-trained", 1)
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trained-hf", dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32)
     logits = model(input_ids=torch.tensor([docs[0][:32]])).logits
     assert torch.isfinite(logits).all()
-    moved = _tensors(tmp_path / "trained-hf")
+    moved = _tensors(trained)
     assert not torch.equal(before["lm_head.weight"].to(torch.bfloat16), moved["lm_head.weight"])
