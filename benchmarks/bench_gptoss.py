@@ -11,7 +11,8 @@ experts top-4, vocabulary 201,088, window 128 on even layers, sinks, YaRN) with 
 forward step (``KDForwardStep``) on one micro-batch of ``--seq`` tokens per GPU. Each loss is timed
 as forward + backward of one micro-batch (no optimizer step):
 
-  ce     Megatron's own output layer + vocab-parallel cross-entropy (no teacher)
+  ce        Megatron's own output layer + vocab-parallel cross-entropy (no teacher)
+  fused-ce  the same cross-entropy through the fused op (``--kd-ce-impl fused``, no teacher)
   fused  fused top-K KD (K = 100, ghost tail; teacher-like synthetic cache rows)
   dense  the same KD loss on materialized logits (``--kd-impl dense``)
 
@@ -43,7 +44,7 @@ def parse():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (= the number of processes)")
-    p.add_argument("--losses", default="ce,fused,dense")
+    p.add_argument("--losses", default="ce,fused-ce,fused,dense")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--layer-bench", action="store_true")
     p.add_argument("--profile-experts", action="store_true", help="print the kernel breakdown of the grouped experts")
@@ -249,8 +250,11 @@ def run(opts, device):
              "position_ids": torch.arange(opts.seq).unsqueeze(0),
              "teacher_ids": ids.unsqueeze(0), "teacher_logprobs": lps.unsqueeze(0)}
     for loss in opts.losses.split(","):
-        step = KDForwardStep(KDConfig(impl="dense" if loss == "dense" else "fused", tail="ghost"), device=device)
-        run_batch = {k: v for k, v in batch.items() if loss != "ce" or not k.startswith("teacher")}
+        config = KDConfig(impl="dense" if loss == "dense" else "fused", tail="ghost",
+                          ce_impl="fused" if loss == "fused-ce" else "megatron")
+        step = KDForwardStep(config, device=device)
+        with_teacher = loss in ("fused", "dense")
+        run_batch = {k: v for k, v in batch.items() if with_teacher or not k.startswith("teacher")}
         try:
             stats = step_stats(model, step, run_batch, opts.steps, device)
             stats["model_tflops_per_gpu"] = flops / stats["step_s"] / 1e12
@@ -260,7 +264,7 @@ def run(opts, device):
             torch.cuda.empty_cache()
         results[loss] = stats
         if rank == 0:
-            print(f"{loss:6s} {json.dumps(stats)}", flush=True)
+            print(f"{loss:8s} {json.dumps(stats)}", flush=True)
     if rank == 0:
         print(json.dumps(results, indent=2))
         if opts.out:
