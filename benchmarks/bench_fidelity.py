@@ -1,0 +1,878 @@
+"""Distillation fidelity on a real corpus: does the offline top-K student learn what the online
+full-vocabulary student learns, and what does each cache choice cost?
+
+    python benchmarks/bench_fidelity.py --size gpu --out runs/fidelity      # one H200: 15-20 minutes
+    python benchmarks/bench_fidelity.py --size cpu --out /tmp/fidelity --variants ce,online,top32-ghost
+    python benchmarks/bench_fidelity.py --size gpu --set teacher_steps=2000 --set student=4,256,4 ...
+
+End to end, nothing precomputed:
+
+1. Corpus: the text files (.py .pyi .md .rst .txt) of the installed Python's standard library and
+   site-packages, read at run time, taken in an order fixed by a hash of each file's relative path
+   (so a budget samples every package, not the first ones alphabetically), exact duplicates
+   (whitespace-normalized) dropped. Each document goes to the held-out split or to the training
+   split by a hash of its content, so a copy of a file cannot sit on both sides; no model and not
+   the tokenizer ever sees a held-out document.
+2. Tokenizer: a byte-level BPE trained with the `tokenizers` package on the training documents
+   (32,768 entries in the gpu preset, so a top-100 really truncates), behind megatron-core's
+   tokenizer interface; both splits become Megatron indexed datasets read by GPTDataset.
+3. Teacher: a megatron-core GPTModel trained with cross-entropy; its held-out cross-entropy is
+   measured along the way, so the report shows whether it had flattened.
+4. Teacher passes (``capture_teacher``), one per cache, each written with its own K so that its
+   bytes/token (``store_bytes`` / tokens) is what that cache really costs: top-K for every K the
+   variants use, and a sampled cache (Random-Sampling KD) whose number of draws is the largest
+   candidate whose bytes/token, measured on a calibration slice of both, stays within top-100's
+   (candidates are bounded: a sampled cache stores one slot per draw, and writing them is what a
+   teacher pass spends its time on).
+5. Students: one smaller architecture, the same initialization, samples, order and steps for every
+   variant; only the loss differs:
+     ce                    cross-entropy only
+     online                full-vocabulary KL(teacher || student), the teacher in memory, both
+                           models' logits materialized (the dense reference; no cache)
+     top{K}-{tail}         the fused top-K loss from the cache (``KDForwardStep``, what
+                           ``megatron-kd train`` runs), tail none / renorm / ghost
+     sampled[N]            the fused loss on the sampled cache (tail renorm; N draws, or chosen)
+     top{K}-{tail}-ce{W}   the same with hard-label cross-entropy weight W; tail "best" is the
+                           tail whose plain top-K variants scored best on held-out cross-entropy
+6. Held-out metrics of every model on the held-out split: cross-entropy and full-vocabulary
+   KL(teacher || student), both in fp32 from fp32 weights. Wall time per training step is the
+   steady state (after the first few steps, which also compile kernels) of everything a step
+   costs: reading the batch and its teacher rows, forward, backward, optimizer, and for ``online``
+   the teacher's forward.
+
+Training uses megatron_kd.demo's loop (AdamW, warm-up + cosine). Batches are read in order by a
+DataLoader (sample i·b .. (i+1)·b - 1 at step i+1, as ``demo.batch_at`` reads them), with worker
+processes on GPU machines so that decoding teacher rows overlaps the step, as in Megatron training.
+On CUDA the models keep fp32 weights and run under bf16 autocast; the fused KD loss and the
+teacher's top-K get bf16 hidden states and a bf16 copy of the output weight (what Megatron's bf16
+training hands them). Students see less than one epoch, so a student's cross-entropy on each batch,
+taken before it learns from it, is an estimate on text it has not seen: those are the student
+curves in curves.png (the teacher's panel adds its held-out curve).
+
+Writes OUT/results.json (every number, curves, stage times), OUT/results.md (tables and the issue's
+goals), OUT/curves.png and OUT/tensorboard; datasets and caches live in OUT/work during the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import re
+import shutil
+import site
+import sys
+import sysconfig
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from megatron_kd.ops import TAILS
+
+EOD, PAD = "<eod>", "<pad>"
+TEXT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
+
+
+# ----------------------------------------------------------------------------------------------
+# settings
+
+
+@dataclass(frozen=True)
+class Arch:
+    layers: int
+    hidden: int
+    heads: int
+
+
+@dataclass(frozen=True)
+class Preset:
+    corpus_bytes: int  # training text to read (the held-out split comes on top)
+    max_file_bytes: int  # larger files are skipped (generated tables; few, long documents)
+    heldout_percent: int
+    bpe_bytes: int  # training text the BPE is trained on (a prefix of the training documents)
+    vocab: int
+    seq_length: int
+    teacher: Arch
+    teacher_steps: int
+    teacher_micro_batch_size: int
+    teacher_lr: float
+    teacher_eval_interval: int
+    student: Arch
+    student_steps: int
+    micro_batch_size: int  # of the students, hence of the teacher passes and caches
+    student_lr: float
+    eval_samples: int
+    eval_batch_size: int
+    draw_candidates: tuple[int, ...]  # sampled cache: draws per token to choose from
+    calibration_samples: int  # samples the sampled cache's bytes/token is calibrated on
+    workers: int  # DataLoader worker processes (0 on CPU: the cores are busy training)
+    log_interval: int
+    seed: int = 1234
+
+
+PRESETS = {
+    # One H200, ~15 minutes (see the estimate in the report): a teacher of ~135M parameters (12 x 768,
+    # 32K vocabulary, untied embeddings) on ~98M tokens (~4 epochs of ~25M training tokens), students
+    # of ~36M (6 x 384) on 9.8M tokens each (< 1 epoch). The student token count sets the teacher
+    # passes' time, which writing the caches dominates (~0.1M tokens/s at K = 100 on one core).
+    # Sampled caches hold `draws` slots per token: candidates stop at 128 to bound their write time.
+    "gpu": Preset(corpus_bytes=100_000_000, max_file_bytes=200_000, heldout_percent=2, bpe_bytes=32_000_000,
+                  vocab=32768, seq_length=1024, teacher=Arch(12, 768, 12), teacher_steps=3000,
+                  teacher_micro_batch_size=32, teacher_lr=6e-4, teacher_eval_interval=250,
+                  student=Arch(6, 384, 6), student_steps=600, micro_batch_size=16, student_lr=1e-3,
+                  eval_samples=256, eval_batch_size=16, draw_candidates=(32, 48, 64, 96, 128),
+                  calibration_samples=128, workers=10, log_interval=100),
+    # CI: tiny models on ~0.6 MB, in under a minute on two idle cores.
+    "cpu": Preset(corpus_bytes=600_000, max_file_bytes=16_000, heldout_percent=10, bpe_bytes=1_000_000, vocab=512,
+                  seq_length=128, teacher=Arch(4, 96, 4), teacher_steps=200, teacher_micro_batch_size=16,
+                  teacher_lr=3e-3, teacher_eval_interval=100, student=Arch(2, 64, 4), student_steps=60,
+                  micro_batch_size=16, student_lr=3e-3, eval_samples=64, eval_batch_size=16,
+                  draw_candidates=(16, 32, 48, 64, 96), calibration_samples=32, workers=0, log_interval=20),
+}
+
+def preset_overrides(items: list[str]) -> dict:
+    """``FIELD=VALUE`` strings (Python literals; architectures as "layers,hidden,heads") -> Preset fields."""
+    names, out = {f.name for f in fields(Preset)}, {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in names:
+            raise ValueError(f"--set {item!r}: {key!r} is not a preset field ({', '.join(sorted(names))})")
+        try:
+            parsed = ast.literal_eval(value)
+            out[key] = Arch(*parsed) if key in ("teacher", "student") else parsed
+        except (ValueError, SyntaxError, TypeError):
+            raise ValueError(f"--set {item!r}: cannot read {value!r}") from None
+    return out
+
+
+DEFAULT_VARIANTS = ("ce", "online", *(f"top{k}-{tail}" for k in (8, 32, 100) for tail in TAILS), "sampled",
+                    *(f"top{k}-best-ce0.1" for k in (8, 32, 100)))
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "ce" | "online" | "topk" | "sampled"
+    k: int = 0  # K of a top-K cache; draws of a sampled cache (0: chosen by calibration)
+    tail: str = "none"  # a TAILS entry, or "best" until resolved
+    ce_weight: float = 0.0
+
+    @property
+    def cache(self) -> str | None:
+        """Name of the cache the variant reads (None: no cache)."""
+        if self.kind in ("topk", "sampled"):
+            return f"{'top' if self.kind == 'topk' else 'sampled'}{self.k}"
+        return None
+
+
+_VARIANT = re.compile(rf"^(?:(ce|online)|top(\d+)-({'|'.join(TAILS)}|best)(?:-ce(\d+(?:\.\d+)?))?|sampled(\d+)?)$")
+
+
+def parse_variant(name: str) -> Variant:
+    m = _VARIANT.match(name)
+    if m is None:
+        raise ValueError(f"unknown variant {name!r}: ce, online, top{{K}}-{{none|renorm|ghost|best}}[-ce{{W}}] "
+                         f"or sampled[N]")
+    plain, k, tail, ce_weight, draws = m.groups()
+    if plain:
+        return Variant(name, plain)
+    if k:
+        if int(k) < 1:
+            raise ValueError(f"variant {name!r}: K must be >= 1")
+        return Variant(name, "topk", int(k), tail, float(ce_weight or 0.0))
+    # the sampled teacher has mass 1 on its draws: renorm is the tail meant for it (README)
+    return Variant(name, "sampled", int(draws or 0), "renorm")
+
+
+# ----------------------------------------------------------------------------------------------
+# corpus and tokenizer
+
+
+def _text_files() -> list[tuple[str, Path]]:
+    """(relative path, path) of the text files of the standard library and site-packages."""
+    roots = [Path(sysconfig.get_paths()["stdlib"]), *map(Path, site.getsitepackages())]
+    found = {}
+    for root in dict.fromkeys(roots):
+        for dirpath, dirnames, filenames in os.walk(root):
+            # a site-packages inside the stdlib tree is another root (or another environment's)
+            dirnames[:] = [d for d in dirnames if d not in ("site-packages", "__pycache__")]
+            for name in filenames:
+                if name.endswith(TEXT_SUFFIXES):
+                    path = Path(dirpath, name)
+                    found.setdefault(str(path.relative_to(root)), path)
+    return sorted(found.items())
+
+
+def read_corpus(train_bytes: int, heldout_percent: int, max_file_bytes: int) -> tuple[list[str], list[str]]:
+    """(training documents, held-out documents), ``train_bytes`` of training text.
+
+    Files are visited in the order of a hash of their relative path (the same on any machine with
+    the same packages), each read once; duplicates of an earlier document are skipped; a
+    document is held out when the hash of its content says so."""
+    files = sorted(_text_files(), key=lambda item: hashlib.sha1(item[0].encode()).digest())
+    train, heldout, seen, size = [], [], set(), 0
+    for _, path in files:
+        if size >= train_bytes:
+            break
+        try:
+            if not 256 <= path.stat().st_size <= max_file_bytes:  # not stubs
+                continue
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        digest = hashlib.sha256(" ".join(text.split()).encode()).digest()
+        if digest in seen:
+            continue
+        seen.add(digest)
+        if int.from_bytes(digest[:4], "little") % 100 < heldout_percent:
+            heldout.append(text)
+        else:
+            train.append(text)
+            size += len(text)
+    if size < train_bytes // 2 or not heldout:
+        raise RuntimeError(f"found {size:,} bytes of text ({len(heldout)} held-out documents) under the standard "
+                           f"library and site-packages; this preset needs {train_bytes:,}")
+    return train, heldout
+
+
+def _bpe_tokenizer_class():
+    from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
+
+    class BPETokenizer(MegatronTokenizerBase):
+        """A `tokenizers` BPE behind megatron-core's tokenizer interface (what GPTDataset and the
+        cache fingerprints read), like ``ByteTokenizer`` in megatron_kd/megatron/data.py."""
+
+        def __init__(self, tokenizer):
+            super().__init__(path="", config={})
+            self.tokenizer = tokenizer
+            # plain ints: DataLoader workers never call into the (threaded) Rust tokenizer
+            self._size, self._eod, self._pad = tokenizer.get_vocab_size(), tokenizer.token_to_id(EOD), \
+                tokenizer.token_to_id(PAD)
+            # megatron-core datasets hash this into their description: another BPE, another index
+            digest = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+            self.unique_identifiers = {"class": type(self).__name__, "vocab_size": self._size, "sha256": digest}
+
+        def tokenize(self, text: str) -> list[int]:
+            return self.tokenizer.encode(text).ids
+
+        def detokenize(self, ids) -> str:
+            return self.tokenizer.decode([int(i) for i in ids])
+
+        @property
+        def vocab(self) -> dict:
+            return self.tokenizer.get_vocab()
+
+        @property
+        def vocab_size(self) -> int:
+            return self._size
+
+        @property
+        def eod(self) -> int:
+            return self._eod
+
+        @property
+        def pad(self) -> int:
+            return self._pad
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise NotImplementedError("BPETokenizer has no chat template")
+
+    return BPETokenizer
+
+
+def train_bpe(docs: list[str], vocab_size: int, max_bytes: int):
+    """A byte-level BPE of ``vocab_size`` entries (end-of-document and pad first) trained on the
+    first ``max_bytes`` of ``docs``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    sample, size = [], 0
+    for doc in docs:
+        if size >= max_bytes:
+            break
+        sample.append(doc)
+        size += len(doc)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(sample, trainer, length=len(sample))
+    return _bpe_tokenizer_class()(tok)
+
+
+def _encoded(tok, docs: list[str], counter: list[int]):
+    """Token ids of each document followed by end-of-document, encoded in parallel batches."""
+    for i in range(0, len(docs), 512):
+        for enc in tok.tokenizer.encode_batch(docs[i:i + 512]):
+            counter[0] += len(enc.ids) + 1
+            yield [*enc.ids, tok.eod]
+
+
+# ----------------------------------------------------------------------------------------------
+# models, precision, batches
+
+
+def gpt(arch: Arch, vocab: int, seq_length: int, seed: int, device: torch.device):
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_kd.models.gpt import build_gpt_model
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(num_layers=arch.layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
+                               use_cpu_initialization=True, params_dtype=torch.float32, attention_dropout=0.0,
+                               hidden_dropout=0.0, normalization="RMSNorm", init_method_std=0.02)
+    # megatron-core's rotary embedding assumes CUDA; on the CPU, learned absolute positions
+    position = "rope" if device.type == "cuda" else "learned_absolute"
+    model = build_gpt_model(config, vocab_size=vocab, max_sequence_length=seq_length,
+                            position_embedding_type=position, use_te=False)
+    return model.to(device)
+
+
+def _head_in(dtype, processor, *, hidden_states, output_layer, output_weight, **kwargs):
+    weight = output_layer.weight if output_weight is None else output_weight
+    with torch.autocast(hidden_states.device.type, enabled=False):
+        return processor(hidden_states=hidden_states.to(dtype), output_layer=output_layer,
+                         output_weight=weight.to(dtype), **kwargs)
+
+
+class Autocast:
+    """Calls a GPTModel under autocast to ``dtype`` (None: as is). fp32 weights and optimizer
+    state stay; an ``output_processor`` (the fused KD loss, the teacher's top-K) gets the hidden
+    states and a copy of the output weight in ``dtype``, the pair Megatron's bf16 training gives it
+    (the op needs one dtype for both; the copy passes its gradient back to the fp32 weight)."""
+
+    def __init__(self, model, dtype: torch.dtype | None):
+        self.model, self.dtype = model, dtype
+
+    def __call__(self, *args, output_processor=None, **kwargs):
+        if self.dtype is None:
+            return self.model(*args, output_processor=output_processor, **kwargs)
+        if output_processor is not None:
+            output_processor = partial(_head_in, self.dtype, output_processor)
+        device = next(self.model.parameters()).device.type
+        with torch.autocast(device, dtype=self.dtype):
+            return self.model(*args, output_processor=output_processor, **kwargs)
+
+
+def ordered_batches(dataset, steps: int, batch_size: int, *, workers: int, device: torch.device):
+    """Micro-batches 1..steps, samples in order ((step-1)·b .. step·b - 1, as ``demo.batch_at``),
+    read ahead by ``workers`` processes."""
+    subset = torch.utils.data.Subset(dataset, range(steps * batch_size))
+    loader = torch.utils.data.DataLoader(subset, batch_size=batch_size, num_workers=workers,
+                                         pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None)
+    return iter(loader)
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def kl_and_ce(student_logits, teacher_logits, labels, mask):
+    """Sums over unmasked tokens of KL(teacher || student) over the full vocabulary and of the
+    student's cross-entropy, in fp32 (the reference loss of the online variant)."""
+    log_q = student_logits.float().log_softmax(-1)
+    ce = -log_q.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if teacher_logits is None:
+        return None, (ce * mask).sum()
+    log_p = teacher_logits.float().log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return (kl * mask).sum(), (ce * mask).sum()
+
+
+@torch.no_grad()
+def heldout_metrics(model, dataset, batch_size: int, device: torch.device, teacher=None) -> dict:
+    """Mean held-out cross-entropy (and KL(teacher || model)) per token, fp32, in nats."""
+    was_training = model.training
+    model.eval()
+    ce = kl = count = 0.0
+    for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size):
+        b = _to(batch, device)
+        logits = model(b["tokens"], b["position_ids"], None)
+        teacher_logits = None if teacher is None else teacher(b["tokens"], b["position_ids"], None)
+        kl_sum, ce_sum = kl_and_ce(logits, teacher_logits, b["labels"], b["loss_mask"])
+        ce, count = ce + float(ce_sum), count + float(b["loss_mask"].sum())
+        kl += 0.0 if kl_sum is None else float(kl_sum)
+    model.train(was_training)
+    return {"ce": ce / count, **({} if teacher is None else {"kl": kl / count})}
+
+
+# ----------------------------------------------------------------------------------------------
+# the benchmark
+
+
+class Bench:
+    """One run: the corpus, the teacher, its caches and the students, stage by stage."""
+
+    def __init__(self, preset: Preset, out: Path, device: torch.device, dtype: torch.dtype | None, log):
+        self.p, self.out, self.device, self.dtype = preset, out, device, dtype
+        self.work = out / "work"
+        self._log, self._t0 = log, time.perf_counter()
+        self.results: dict = {"preset": asdict(preset), "device": str(device), "autocast": str(dtype),
+                              "stages": {}, "caches": {}, "variants": {}}
+        self.caches: dict[str, Path] = {}
+
+    def log(self, msg: str):
+        self._log(f"[{time.perf_counter() - self._t0:7.1f}s] {msg}")
+
+    def stage(self, name: str, seconds: float):
+        stages = self.results["stages"]
+        stages[name] = round(stages.get(name, 0.0) + seconds, 2)
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # -- data -----------------------------------------------------------------------------------
+
+    def build_data(self):
+        from megatron_kd.megatron.data import build_gpt_datasets, write_indexed_dataset
+
+        p, t = self.p, time.perf_counter()
+        train_docs, heldout_docs = read_corpus(p.corpus_bytes, p.heldout_percent, p.max_file_bytes)
+        self.tok = train_bpe(train_docs, p.vocab, p.bpe_bytes)
+        self.vocab = self.tok.vocab_size
+        counts = {"train": [0], "heldout": [0]}
+        prefixes = {split: write_indexed_dataset(self.work / "data" / split, _encoded(self.tok, docs, counts[split]),
+                                                 self.vocab)
+                    for split, docs in (("train", train_docs), ("heldout", heldout_docs))}
+        corpus = {"train_documents": len(train_docs), "train_bytes": sum(map(len, train_docs)),
+                  "train_tokens": counts["train"][0], "heldout_documents": len(heldout_docs),
+                  "heldout_bytes": sum(map(len, heldout_docs)), "heldout_tokens": counts["heldout"][0],
+                  "vocab_size": self.vocab}
+        self.results["corpus"] = corpus
+        self.log(f"corpus: {corpus['train_documents']:,} training documents ({corpus['train_bytes'] / 1e6:.1f} MB, "
+                 f"{corpus['train_tokens']:,} tokens), {corpus['heldout_documents']:,} held out "
+                 f"({corpus['heldout_tokens']:,} tokens); BPE vocabulary {self.vocab:,}")
+
+        # each split is its own indexed dataset, read whole ("100,0,0") by megatron-core's GPTDataset
+        def dataset(split: str, samples: int):
+            return build_gpt_datasets([prefixes[split]], split="100,0,0", seq_length=p.seq_length, seed=p.seed,
+                                      tokenizer=self.tok, num_samples=(samples, 0, 0),
+                                      cache_dir=str(self.work / "data" / "index-cache"))[0]
+
+        self.teacher_ds = dataset("train", p.teacher_steps * p.teacher_micro_batch_size)
+        self.student_ds = dataset("train", p.student_steps * p.micro_batch_size)
+        # every held-out window once: no more samples than the split holds
+        eval_samples = min(p.eval_samples, (corpus["heldout_tokens"] - 1) // p.seq_length)
+        self.heldout_ds = dataset("heldout", eval_samples)
+        self.results["corpus"]["heldout_samples"] = eval_samples
+        self.stage("corpus, tokenizer, datasets", time.perf_counter() - t)
+
+    def heldout(self, model, teacher=None) -> dict:
+        return heldout_metrics(model, self.heldout_ds, self.p.eval_batch_size, self.device, teacher)
+
+    # -- teacher ----------------------------------------------------------------------------------
+
+    def train_teacher(self):
+        from torch.utils.tensorboard import SummaryWriter
+
+        from megatron_kd.demo import DemoConfig, train_loop
+
+        p = self.p
+        self.tb = SummaryWriter(str(self.out / "tensorboard"))
+        self.teacher = gpt(p.teacher, self.vocab, p.seq_length, p.seed, self.device)
+        n = sum(x.numel() for x in self.teacher.parameters())
+        self.log(f"teacher: GPTModel {p.teacher.layers} x {p.teacher.hidden}, {n:,} parameters, {p.teacher_steps} "
+                 f"steps of {p.teacher_micro_batch_size} x {p.seq_length} tokens")
+        batches = ordered_batches(self.teacher_ds, p.teacher_steps, p.teacher_micro_batch_size, workers=p.workers,
+                                  device=self.device)
+        amp, heldout_curve = Autocast(self.teacher, self.dtype), []
+
+        def step_fn(model, step):
+            if (step - 1) % p.teacher_eval_interval == 0 and step > 1:  # after step - 1 updates
+                heldout_curve.append((step - 1, self.heldout(model)["ce"]))
+                self.log(f"  teacher held-out cross-entropy after {step - 1} steps: {heldout_curve[-1][1]:.4f}")
+            return self._ce_step(amp, _to(next(batches), self.device))
+
+        t = time.perf_counter()
+        curve = train_loop("teacher", self.teacher, p.teacher_steps, step_fn,
+                           DemoConfig(lr=p.teacher_lr, log_interval=p.log_interval), self.tb, self.log)
+        self._sync()
+        seconds = time.perf_counter() - t
+        self.teacher.eval()
+        final = self.heldout(self.teacher)["ce"]
+        heldout_curve.append((p.teacher_steps, final))
+        # what the last quarter of training still gained on held-out text: ~0 means it had flattened
+        since, before = next(((s, ce) for s, ce in reversed(heldout_curve) if s <= 0.75 * p.teacher_steps),
+                             (0, float("nan")))
+        late = {"since_step": since, "gain": 1 - final / before}
+        self.results["teacher"] = {"parameters": n, "steps": p.teacher_steps, "seconds": round(seconds, 1),
+                                   "heldout_ce": final, "heldout_curve": heldout_curve, "late_heldout_gain": late,
+                                   "curve": curve}
+        self.log(f"teacher: held-out cross-entropy {final:.4f} ({late['gain']:+.2%} since step {since}), "
+                 f"{seconds:.0f} s")
+        self.stage("teacher training", seconds)
+
+    @staticmethod
+    def _ce_step(amp, batch):
+        """Megatron's own language-model loss: per-token cross-entropy from labels."""
+        losses = amp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        mask = batch["loss_mask"]
+        loss = (losses.float() * mask).sum()
+        return loss, mask.sum(), {"ce loss": torch.stack([loss.detach(), mask.sum()])}
+
+    # -- caches -----------------------------------------------------------------------------------
+
+    def build_cache(self, path: Path, mode: str, k: int, samples: int) -> dict:
+        """One teacher pass over the student's first ``samples`` samples into a cache of its own."""
+        from megatron_kd.cache import CacheWriter
+        from megatron_kd.cache.inspect import store_bytes
+        from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
+        from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
+
+        teacher = MegatronTeacher(Autocast(self.teacher, self.dtype), vocab_size=self.vocab,
+                                  fingerprint=f"bench-fidelity-teacher-{self.results['teacher']['parameters']}")
+        meta = {"mode": mode, "sampled_draws": k if mode == "sampled" else 0,
+                "teacher_fingerprint": teacher.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(self.tok),
+                "dataset_fingerprint": dataset_fingerprint(self.student_ds)}
+        shutil.rmtree(path, ignore_errors=True)
+        t = time.perf_counter()
+        with CacheWriter(path, vocab_size=self.vocab, topk=k, seq_length=self.p.seq_length, num_samples=samples,
+                         micro_batch_size=self.p.micro_batch_size, metadata=meta) as writer:
+            summary = capture_teacher(teacher, self.student_ds, writer,
+                                      CaptureConfig(topk=k, mode=mode, micro_batch_size=self.p.micro_batch_size,
+                                                    seed=self.p.seed),
+                                      device=self.device, progress=False)
+        tokens, size = samples * self.p.seq_length, store_bytes(path)
+        return {"mode": mode, "k": k, "samples": samples, "tokens": tokens, "bytes": size,
+                "bytes_per_token": size / tokens, "mean_teacher_mass": summary["mean_teacher_mass"],
+                "seconds": round(time.perf_counter() - t, 2)}
+
+    def choose_draws(self) -> int:
+        """The most draws per token whose sampled cache costs no more bytes/token than top-100,
+        both measured on the same calibration slice of the student's samples."""
+        n = min(self.p.calibration_samples, self.p.student_steps * self.p.micro_batch_size)
+        calib = self.work / "calibration"
+        budget = self.build_cache(calib / "top100", "topk", 100, n)["bytes_per_token"]
+        table, best = {}, None
+        for draws in sorted(self.p.draw_candidates):  # more draws, more distinct ids: more bytes
+            table[draws] = self.build_cache(calib / f"sampled{draws}", "sampled", draws, n)["bytes_per_token"]
+            if table[draws] > budget:
+                break
+            best = draws
+        shutil.rmtree(calib)
+        self.results["draws_calibration"] = {"top100_bytes_per_token": budget, "sampled_bytes_per_token": table,
+                                             "chosen": best}
+        if best is None:
+            raise RuntimeError(f"every candidate number of draws {sorted(table)} costs more bytes/token than top-100 "
+                               f"({budget:.1f}): {table}")
+        self.log(f"sampled cache: {best} draws per token (calibration bytes/token: top-100 {budget:.1f}, "
+                 + ", ".join(f"{d} draws {b:.1f}" for d, b in table.items()) + ")")
+        return best
+
+    def build_caches(self, variants: list[Variant]) -> list[Variant]:
+        """Every cache the variants read; returns the variants with sampled draws resolved."""
+        t, samples = time.perf_counter(), self.p.student_steps * self.p.micro_batch_size
+        resolved = []
+        for v in variants:
+            if v.kind == "sampled" and v.k == 0:
+                v = replace(v, k=self.choose_draws())
+            resolved.append(v)
+            if v.cache is None or v.cache in self.caches:
+                continue
+            path = self.work / "caches" / v.cache
+            info = self.build_cache(path, "topk" if v.kind == "topk" else "sampled", v.k, samples)
+            self.caches[v.cache], self.results["caches"][v.cache] = path, info
+            self.log(f"cache {v.cache}: K={v.k} ({info['mode']}), {info['bytes_per_token']:.1f} bytes/token, mean "
+                     f"teacher mass {info['mean_teacher_mass']:.3f}, {info['seconds']:.0f} s")
+        self.stage("teacher passes (caches)", time.perf_counter() - t)
+        return resolved
+
+    # -- students ---------------------------------------------------------------------------------
+
+    def _step_fn(self, v: Variant, batches):
+        """``step_fn(model, step)`` of ``train_loop`` for variant ``v``: (loss sum, tokens, report)."""
+        from megatron_kd.megatron.args import KDConfig
+        from megatron_kd.megatron.loss import KDForwardStep
+
+        if v.kind == "ce":
+            return lambda model, step: self._ce_step(Autocast(model, self.dtype), _to(next(batches), self.device))
+        if v.kind == "online":
+            teacher = Autocast(self.teacher, self.dtype)
+
+            def online(model, step):
+                b = _to(next(batches), self.device)
+                with torch.no_grad():
+                    teacher_logits = teacher(b["tokens"], b["position_ids"], None)
+                logits = Autocast(model, self.dtype)(b["tokens"], b["position_ids"], None)
+                kl, ce = kl_and_ce(logits, teacher_logits, b["labels"], b["loss_mask"])
+                tokens = b["loss_mask"].sum()
+                pair = lambda x: torch.stack([x.detach(), tokens])  # noqa: E731
+                return kl, tokens, {"kd loss": pair(kl), "ce loss": pair(ce)}
+
+            return online
+        # offline: exactly the forward step and loss function of `megatron-kd train`
+        forward_step = KDForwardStep(KDConfig(tail=v.tail, ce_weight=v.ce_weight), device=self.device)
+
+        def offline(model, step):
+            output, loss_fn = forward_step(iter([next(batches)]), Autocast(model, self.dtype))
+            return loss_fn(output)
+
+        return offline
+
+    def train_student(self, v: Variant):
+        from megatron_kd.demo import DemoConfig, train_loop
+        from megatron_kd.megatron.kd_data import KDDataset
+
+        p = self.p
+        dataset = self.student_ds if v.cache is None else KDDataset(
+            self.student_ds, str(self.caches[v.cache]), tokenizer=self.tok,
+            required_samples=p.student_steps * p.micro_batch_size)
+        batches = ordered_batches(dataset, p.student_steps, p.micro_batch_size, workers=p.workers, device=self.device)
+        model = gpt(p.student, self.vocab, p.seq_length, p.seed + 1, self.device)  # the same start for all
+        step_fn, starts = self._step_fn(v, batches), []
+
+        def timed(model, step):  # train_loop syncs every step (it reads the loss), so starts are step ends
+            starts.append(time.perf_counter())
+            return step_fn(model, step)
+
+        t = time.perf_counter()
+        curve = train_loop(v.name, model, p.student_steps, timed,
+                           DemoConfig(lr=p.student_lr, log_interval=p.log_interval), self.tb, self.log)
+        self._sync()
+        starts.append(time.perf_counter())
+        # steady state: the first steps also compile kernels and start the DataLoader workers
+        skip = min(5, p.student_steps // 10)
+        per_step = (starts[-1] - starts[skip]) / (p.student_steps - skip)
+        metrics = self.heldout(model, teacher=self.teacher)
+        cache = self.results["caches"].get(v.cache, {})
+        self.results["variants"][v.name] = {
+            **asdict(v), "heldout_ce": metrics["ce"], "heldout_kl": metrics["kl"],
+            "seconds_per_step": per_step, "bytes_per_token": cache.get("bytes_per_token"), "curve": curve}
+        self.log(f"{v.name}: held-out cross-entropy {metrics['ce']:.4f}, KL(teacher||student) {metrics['kl']:.4f}, "
+                 f"{1e3 * per_step:.1f} ms/step")
+        self.stage("students (training + held-out)", time.perf_counter() - t)
+
+    def best_tail(self) -> str:
+        """The tail whose plain (ce_weight 0) top-K variants have the lowest mean held-out CE."""
+        scores = {}
+        for r in self.results["variants"].values():
+            if r["kind"] == "topk" and r["ce_weight"] == 0:
+                scores.setdefault(r["tail"], []).append(r["heldout_ce"])
+        if not scores:
+            raise ValueError("a top{K}-best variant needs plain top-K variants to pick the tail from; name a tail")
+        best = min(scores, key=lambda tail: sum(scores[tail]) / len(scores[tail]))
+        self.results["best_tail"] = best
+        self.log(f"best tail: {best} (mean held-out CE " + ", ".join(
+            f"{tail} {sum(s) / len(s):.4f}" for tail, s in scores.items()) + ")")
+        return best
+
+    def run(self, variants: list[Variant]) -> dict:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.build_data()
+        self.train_teacher()
+        # "best"-tail variants run last, once the tails have been compared
+        for v in self.build_caches([v for v in variants if v.tail != "best"]):
+            self.train_student(v)
+        last = [v for v in variants if v.tail == "best"]
+        if last:
+            tail = self.best_tail()
+            resolved = [replace(v, name=v.name.replace("best", tail), tail=tail) for v in last]
+            for v in self.build_caches([v for v in resolved if v.name not in self.results["variants"]]):
+                self.train_student(v)
+        self.tb.close()
+        self.results["goals"] = goals(self.results)
+        self.results["seconds"] = round(time.perf_counter() - self._t0, 1)
+        return self.results
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+
+
+def goals(results: dict) -> dict:
+    """The issue's two goals, where the variants they need were run."""
+    v, out = results["variants"], {}
+    if "online" in v:
+        top100 = {n: r for n, r in v.items() if r["kind"] == "topk" and r["k"] == 100}
+        if top100:
+            best = min(top100, key=lambda n: top100[n]["heldout_ce"])
+            gap = top100[best]["heldout_ce"] / v["online"]["heldout_ce"] - 1
+            out["best_top100_vs_online"] = {"variant": best, "gap": gap, "goal": 0.01, "met": gap <= 0.01}
+    if "ce" in v:
+        gains = {n: 1 - r["heldout_ce"] / v["ce"]["heldout_ce"] for n, r in v.items() if n != "ce"}
+        if gains:
+            out["kd_vs_ce_only"] = {"gains": gains, "min_gain": min(gains.values()), "goal": 0.03,
+                                    "met": min(gains.values()) >= 0.03}
+    return out
+
+
+def write_markdown(results: dict, path: Path):
+    v, t, corpus = results["variants"], results["teacher"], results["corpus"]
+    ce_only, online = v.get("ce", {}).get("heldout_ce"), v.get("online", {}).get("heldout_ce")
+    rel = lambda x, ref: "" if ref is None else f"{x / ref - 1:+.2%}"  # noqa: E731
+    late = t["late_heldout_gain"]
+    lines = [
+        f"# Distillation fidelity ({results['device']}, autocast {results['autocast']})", "",
+        (f"Corpus: {corpus['train_documents']:,} documents, {corpus['train_tokens']:,} training tokens; held out "
+         f"{corpus['heldout_documents']:,} documents, evaluated on {corpus['heldout_samples']} x "
+         f"{results['preset']['seq_length']} tokens. BPE vocabulary {corpus['vocab_size']:,}."),
+        (f"Teacher: {t['parameters']:,} parameters, {t['steps']} steps, held-out CE {t['heldout_ce']:.4f} nats/token "
+         f"({late['gain']:+.2%} since step {late['since_step']})."), "",
+        ("Caches: one teacher pass each, written with its own K (or number of draws); bytes/token = store size / "
+         "cached tokens; teacher mass = mean probability per token the cache holds."), "",
+        "| cache | mode | K / draws | bytes/token | teacher mass | teacher pass (s) |",
+        "|---|---|---:|---:|---:|---:|",
+        *(f"| {name} | {cache['mode']} | {cache['k']} | {cache['bytes_per_token']:.1f} | "
+          f"{cache['mean_teacher_mass']:.3f} | {cache['seconds']:.0f} |" for name, cache in results["caches"].items()),
+        "",
+        ("Students: held-out cross-entropy (CE) and full-vocabulary KL(teacher || student), nats/token; ms/step: "
+         "steady-state wall time of one training step, data included."), "",
+        "| variant | cache bytes/token | held-out CE | vs CE-only | vs online | held-out KL(T‖S) | ms/step |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in v.items():
+        bpt = "" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:.1f}"
+        lines.append(f"| {name} | {bpt} | {r['heldout_ce']:.4f} | {rel(r['heldout_ce'], ce_only)} | "
+                     f"{rel(r['heldout_ce'], online)} | {r['heldout_kl']:.4f} | {1e3 * r['seconds_per_step']:.1f} |")
+    g = results["goals"]
+    lines.append("")
+    if "best_top100_vs_online" in g:
+        b = g["best_top100_vs_online"]
+        lines.append(f"- Goal: best offline top-100 within 1% of online KD on held-out CE: {b['variant']} is "
+                     f"{b['gap']:+.2%} -> {'met' if b['met'] else 'NOT met'}")
+    if "kd_vs_ce_only" in g:
+        k = g["kd_vs_ce_only"]
+        worst = min(k["gains"], key=k["gains"].get)
+        lines.append(f"- Goal: every KD variant >= 3% better than CE-only: smallest gain {k['min_gain']:.2%} "
+                     f"({worst}) -> {'met' if k['met'] else 'NOT met'}")
+    if "draws_calibration" in results:
+        d = results["draws_calibration"]
+        tried = ", ".join(f"{n}: {b:.1f}" for n, b in d["sampled_bytes_per_token"].items())
+        lines.append(f"- Sampled cache: {d['chosen']} draws/token, the most whose calibration bytes/token fit "
+                     f"top-100's {d['top100_bytes_per_token']:.1f} ({tried})")
+    if "best_tail" in results:
+        lines.append(f"- Best tail (lowest mean held-out CE of the plain top-K variants): {results['best_tail']}")
+    stages = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in results["stages"].items())
+    lines += ["", f"Stage times: {stages}; total {results['seconds']:.0f} s.", ""]
+    path.write_text("\n".join(lines))
+
+
+def plot(results: dict, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def smooth(values, width):
+        out, acc = [], 0.0
+        for i, x in enumerate(values):
+            acc += x - (values[i - width] if i >= width else 0.0)
+            out.append(acc / min(i + 1, width))
+        return out
+
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(14, 5.5))
+    t = results["teacher"]
+    steps, values = zip(*t["curve"])
+    ax_t.plot(steps, smooth(values, 25), label="training (moving average)", linewidth=1)
+    h_steps, h_values = zip(*t["heldout_curve"])
+    ax_t.plot(h_steps, h_values, "o-", label=f"held-out (final {t['heldout_ce']:.3f})")
+    ax_t.set(title="teacher", xlabel="step", ylabel="cross-entropy (nats/token)")
+    ax_t.legend()
+    ax_t.grid(alpha=0.3)
+    # one colour per loss family (ce, online, each cache), one line style per tail; dash-dot: with ce_weight
+    families = list(dict.fromkeys(r["kind"] if r["kind"] != "topk" else r["k"] for r in results["variants"].values()))
+    palette = plt.get_cmap("tab10").colors
+    for name, r in results["variants"].items():
+        steps, values = zip(*r["curve"])
+        family = families.index(r["kind"] if r["kind"] != "topk" else r["k"])
+        reference = r["kind"] in ("ce", "online")
+        style = "-" if reference else "-." if r["ce_weight"] else {"none": ":", "renorm": "--"}.get(r["tail"], "-")
+        ax_s.plot(steps, smooth(values, 10), style, color=palette[family % len(palette)],
+                  linewidth=2 if reference else 1.1, zorder=3 if reference else 2,
+                  label=f"{name} (held-out {r['heldout_ce']:.3f})")
+    ax_s.set(title="students: cross-entropy of each batch before learning from it", xlabel="step",
+             ylabel="cross-entropy (nats/token, moving average)")
+    # zoom past the first tenth of training, where every curve falls from log(vocabulary)
+    curves = [[value for step, value in r["curve"]] for r in results["variants"].values()]
+    ax_s.set_ylim(bottom=min(min(c) for c in curves) - 0.1, top=max(smooth(c, 10)[len(c) // 10] for c in curves))
+    ax_s.legend(fontsize=7, ncol=2)
+    ax_s.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
+    """"auto": bf16 on CUDA, none (fp32) on the CPU."""
+    if dtype == "bf16" and device.type != "cuda":
+        # megatron-core's linear layers restore autocast in their backward on CUDA only
+        raise ValueError("--dtype bf16 needs CUDA")
+    return torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and device.type == "cuda") else None
+
+
+def run(size: str, out: str | Path, variants: list[str] | None = None, *, dtype: str = "auto", log=print,
+        **overrides) -> dict:
+    """The whole benchmark; returns results.json's content. ``overrides`` replace preset fields."""
+    from megatron_kd.demo import _init_single_process
+
+    preset = replace(PRESETS[size], **overrides)
+    chosen = [parse_variant(name) for name in (variants or DEFAULT_VARIANTS)]
+    if len({v.name for v in chosen}) != len(chosen):
+        raise ValueError(f"variants repeat: {[v.name for v in chosen]}")
+    device = default_device()
+    autocast = autocast_dtype(dtype, device)
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    out = Path(out)
+    shutil.rmtree(out / "work", ignore_errors=True)  # datasets and caches are rebuilt every run
+    shutil.rmtree(out / "tensorboard", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    _init_single_process()
+    if device.type == "cuda":  # megatron-core's CUDA RNG tracker, seeded as Megatron-LM seeds it
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(preset.seed)
+    # the DataLoader workers are forked after the tokenizer ran its thread pool, and never use it
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+
+    bench = Bench(preset, out, device, autocast, log)
+    results = bench.run(chosen)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    write_markdown(results, out / "results.md")
+    plot(results, out / "curves.png")
+    shutil.rmtree(out / "work")
+    bench.log(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'curves.png'}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(PRESETS), default="gpu", help="preset (default: gpu)")
+    parser.add_argument("--out", default="runs/fidelity", help="output directory (default: runs/fidelity)")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help="comma-separated variants (default: all of the issue's): ce, online, "
+                             "top{K}-{none|renorm|ghost|best}[-ce{W}], sampled[N]")
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="autocast dtype of training and teacher passes (auto: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="change one preset field, e.g. --set teacher_steps=2000 --set student=4,256,4")
+    args = parser.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    try:  # bad settings stop here, not after minutes of work
+        for name in variants:
+            parse_variant(name)
+        autocast_dtype(args.dtype, default_device())
+        overrides = preset_overrides(args.set)
+    except ValueError as e:
+        parser.error(str(e))
+    run(args.size, args.out, variants, dtype=args.dtype, log=lambda m: print(m, flush=True), **overrides)
+    print(Path(args.out, "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
