@@ -163,9 +163,10 @@ def megatron_parser(prog: str = "megatron-kd") -> argparse.ArgumentParser:
     return add_kd_args(add_megatron_arguments(parser))
 
 
-def check_megatron_flags(argv: list[str]) -> None:
+def check_megatron_flags(argv: list[str]) -> argparse.Namespace:
     """Unknown flags, bad values and missing required flags as one ``FlagError`` line, before
-    Megatron-LM's parser prints its usage (hundreds of lines) or asserts without a message."""
+    Megatron-LM's parser prints its usage (hundreds of lines) or asserts without a message.
+    Returns the parsed (not yet validated) flags."""
     try:
         known, unknown = megatron_parser().parse_known_args(argv)
     except argparse.ArgumentError as e:
@@ -182,6 +183,7 @@ def check_megatron_flags(argv: list[str]) -> None:
         KDConfig.from_args(known)
     except ValueError as e:
         raise FlagError(str(e)) from None
+    return known
 
 
 def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = None):
@@ -193,10 +195,10 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
-    check_megatron_flags(sys.argv[1:])
+    flags = check_megatron_flags(sys.argv[1:])
     use_prebuilt_dataset_helpers()
     defaults = dict(args_defaults or {})
-    hf_dir = _flag_value(sys.argv, "--kd-student-hf") or _flag_value(sys.argv, "--kd-teacher-hf")
+    hf_dir = flags.kd_student_hf or flags.kd_teacher_hf
     if hf_dir:  # a Hugging Face model brings its own tokenizer
         defaults.setdefault("tokenizer_model", hf_dir)
     try:
@@ -204,7 +206,6 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
     except AssertionError as e:  # Megatron-LM's validation: the message, else the failing check itself
         check = str(e) or traceback.extract_tb(e.__traceback__)[-1].line
         raise FlagError(f"Megatron-LM rejected the arguments: {check}") from None
-
     if hf_dir and args.padded_vocab_size < hf_vocab_rows(hf_dir):
         # the checkpoint's embedding has more rows than the tokenizer has tokens (GPT-OSS: 201,088 rows):
         # keep them all, padded as Megatron pads (a multiple of --make-vocab-size-divisible-by x TP)
@@ -212,16 +213,6 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
         args.padded_vocab_size = -(-hf_vocab_rows(hf_dir) // multiple) * multiple
     return args
 
-
-def _flag_value(argv: list[str], flag: str) -> str | None:
-    """The value of the last ``flag VALUE`` / ``flag=VALUE`` in argv (before Megatron parses it)."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def main(argv: list[str] | None = None) -> None:
