@@ -126,6 +126,12 @@ def _layer_activation_bytes_per_token(args) -> tuple[float, float]:
     return attention, mlp
 
 
+def micro_batches(args, layout: Layout, gpus: int) -> int:
+    """Micro-batches per data-parallel rank in one global batch."""
+    data_parallel = max(1, gpus // (layout.tp * layout.pp * layout.cp))
+    return max(1, args.global_batch_size // layout.micro_batch // data_parallel)
+
+
 def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: int = 100) -> Plan:
     """Memory per GPU of the run ``args`` (Megatron-LM flags) under ``layout`` on ``gpus`` GPUs."""
     a = copy.copy(args)
@@ -155,7 +161,7 @@ def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: i
         per_layer += 2 * local_experts * 3 * a.hidden_size * (a.moe_ffn_hidden_size or a.ffn_hidden_size)
     stored = layers * (2 * tokens * a.hidden_size / layout.tp) + per_layer if layout.recompute else layers * per_layer
     # the first pipeline stage keeps the micro-batches in flight: up to PP of them
-    plan.gpu_bytes["activations"] = stored * min(layout.pp, max(1, a.global_batch_size // layout.micro_batch // max(1, a.data_parallel_size)))
+    plan.gpu_bytes["activations"] = stored * min(layout.pp, micro_batches(a, layout, gpus))
     if a.num_experts and layout.ep > 1:
         plan.gpu_bytes["dispatch"] = 2 * 2 * tokens * a.moe_router_topk * a.hidden_size
     vocab_local = a.padded_vocab_size / layout.tp
@@ -177,8 +183,7 @@ def step_cost(args, layout: Layout, gpus: int) -> float:
     if layout.recompute:
         cost *= 4 / 3
     cost *= 1 + 0.1 * math.log2(layout.tp)
-    micro_batches = max(1, args.global_batch_size // layout.micro_batch // max(1, gpus // (layout.tp * layout.pp * layout.cp)))
-    return cost * (1 + (layout.pp - 1) / micro_batches)
+    return cost * (1 + (layout.pp - 1) / micro_batches(args, layout, gpus))
 
 
 def candidate_layouts(args, gpus: int, *, local_spec: bool):
