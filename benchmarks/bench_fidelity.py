@@ -1,7 +1,7 @@
 """Distillation fidelity on a real corpus: does the offline top-K student learn what the online
 full-vocabulary student learns, and what does each cache choice cost?
 
-    python benchmarks/bench_fidelity.py --size gpu --out runs/fidelity      # one H200: 15-20 minutes
+    python benchmarks/bench_fidelity.py --size gpu --out runs/fidelity      # one H200: ~8 minutes
     python benchmarks/bench_fidelity.py --size cpu --out /tmp/fidelity --variants ce,online,top32-ghost
     python benchmarks/bench_fidelity.py --size gpu --set teacher_steps=2000 --set student=4,256,4 ...
 
@@ -116,17 +116,18 @@ class Preset:
 
 
 PRESETS = {
-    # One H200, ~15 minutes (see the estimate in the report): a teacher of ~135M parameters (12 x 768,
-    # 32K vocabulary, untied embeddings) on ~98M tokens (~4 epochs of ~25M training tokens), students
-    # of ~36M (6 x 384) on 9.8M tokens each (< 1 epoch). The student token count sets the teacher
-    # passes' time, which writing the caches dominates (~0.1M tokens/s at K = 100 on one core).
-    # Sampled caches hold `draws` slots per token: candidates stop at 128 to bound their write time.
+    # One H200, ~8 minutes (one device call): a teacher of ~135M parameters (12 x 768, 32K vocabulary,
+    # untied embeddings) on ~33M tokens (~1.2 epochs of ~27M training tokens), students of ~36M
+    # (6 x 384) on 6.6M tokens each (< 1 epoch). Measured stage by stage on an H200 (2026-11-30):
+    # ~0.15 s per teacher step, 40-75 ms per student step at 16 x 1024 tokens, teacher passes
+    # bounded by the cache writer. Sampled caches hold `draws` slots per token: candidates stop at
+    # 128 to bound their write time.
     "gpu": Preset(corpus_bytes=100_000_000, max_file_bytes=200_000, heldout_percent=2, bpe_bytes=32_000_000,
-                  vocab=32768, seq_length=1024, teacher=Arch(12, 768, 12), teacher_steps=3000,
-                  teacher_micro_batch_size=32, teacher_lr=6e-4, teacher_eval_interval=250,
-                  student=Arch(6, 384, 6), student_steps=600, micro_batch_size=16, student_lr=1e-3,
+                  vocab=32768, seq_length=1024, teacher=Arch(12, 768, 12), teacher_steps=1000,
+                  teacher_micro_batch_size=32, teacher_lr=1e-3, teacher_eval_interval=250,
+                  student=Arch(6, 384, 6), student_steps=200, micro_batch_size=32, student_lr=2e-3,
                   eval_samples=256, eval_batch_size=16, draw_candidates=(32, 48, 64, 96, 128),
-                  calibration_samples=128, workers=10, log_interval=100),
+                  calibration_samples=128, workers=10, log_interval=50),
     # CI: tiny models on ~0.6 MB, in under a minute on two idle cores.
     "cpu": Preset(corpus_bytes=600_000, max_file_bytes=16_000, heldout_percent=10, bpe_bytes=1_000_000, vocab=512,
                   seq_length=128, teacher=Arch(4, 96, 4), teacher_steps=200, teacher_micro_batch_size=16,
@@ -416,12 +417,29 @@ class Bench:
                               "stages": {}, "caches": {}, "variants": {}}
         self.caches: dict[str, Path] = {}
 
+    def resume(self) -> bool:
+        """Take over what a stopped run with the same preset finished (results.partial.json and
+        OUT/work: the teacher's weights, complete caches); returns whether there was such a run."""
+        partial = self.out / "results.partial.json"
+        if not partial.exists():
+            return False
+        done = json.loads(partial.read_text())
+        if done.get("preset") != json.loads(json.dumps(self.results["preset"])):
+            self.log(f"{partial} is from other settings: starting afresh")
+            return False
+        self.results = done
+        self.log(f"resuming: teacher {'done' if 'teacher' in done else 'to train'}, caches {sorted(done['caches'])}, "
+                 f"students {sorted(done['variants'])}")
+        return True
+
     def log(self, msg: str):
         self._log(f"[{time.perf_counter() - self._t0:7.1f}s] {msg}")
 
     def stage(self, name: str, seconds: float):
         stages = self.results["stages"]
         stages[name] = round(stages.get(name, 0.0) + seconds, 2)
+        # what is done so far, so that a run stopped by a time limit still leaves its numbers
+        (self.out / "results.partial.json").write_text(json.dumps(self.results, indent=1))
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -434,7 +452,15 @@ class Bench:
 
         p, t = self.p, time.perf_counter()
         train_docs, heldout_docs = read_corpus(p.corpus_bytes, p.heldout_percent, p.max_file_bytes)
-        self.tok = train_bpe(train_docs, p.vocab, p.bpe_bytes)
+        saved = self.work / "tokenizer.json"  # a resumed run's caches were written with this one
+        if "teacher" in self.results and saved.exists():
+            from tokenizers import Tokenizer
+
+            self.tok = _bpe_tokenizer_class()(Tokenizer.from_file(str(saved)))
+        else:
+            self.tok = train_bpe(train_docs, p.vocab, p.bpe_bytes)
+            self.work.mkdir(parents=True, exist_ok=True)
+            self.tok.tokenizer.save(str(saved))
         self.vocab = self.tok.vocab_size
         counts = {"train": [0], "heldout": [0]}
         prefixes = {split: write_indexed_dataset(self.work / "data" / split, _encoded(self.tok, docs, counts[split]),
@@ -477,6 +503,12 @@ class Bench:
         self.tb = SummaryWriter(str(self.out / "tensorboard"))
         self.teacher = gpt(p.teacher, self.vocab, p.seq_length, p.seed, self.device)
         n = sum(x.numel() for x in self.teacher.parameters())
+        weights = self.work / "teacher.pt"
+        if "teacher" in self.results and weights.exists():
+            self.teacher.load_state_dict(torch.load(weights, map_location=self.device))
+            self.teacher.eval()
+            self.log(f"teacher: loaded {weights} (held-out cross-entropy {self.results['teacher']['heldout_ce']:.4f})")
+            return
         self.log(f"teacher: GPTModel {p.teacher.layers} x {p.teacher.hidden}, {n:,} parameters, {p.teacher_steps} "
                  f"steps of {p.teacher_micro_batch_size} x {p.seq_length} tokens")
         batches = ordered_batches(self.teacher_ds, p.teacher_steps, p.teacher_micro_batch_size, workers=p.workers,
@@ -495,6 +527,7 @@ class Bench:
         self._sync()
         seconds = time.perf_counter() - t
         self.teacher.eval()
+        torch.save(self.teacher.state_dict(), weights)
         final = self.heldout(self.teacher)["ce"]
         heldout_curve.append((p.teacher_steps, final))
         # what the last quarter of training still gained on held-out text: ~0 means it had flattened
@@ -571,11 +604,15 @@ class Bench:
         resolved = []
         for v in variants:
             if v.kind == "sampled" and v.k == 0:
-                v = replace(v, k=self.choose_draws())
+                chosen = self.results.get("draws_calibration", {}).get("chosen")
+                v = replace(v, k=chosen or self.choose_draws())
             resolved.append(v)
             if v.cache is None or v.cache in self.caches:
                 continue
             path = self.work / "caches" / v.cache
+            if v.cache in self.results["caches"] and _complete_cache(path):  # built by a stopped run
+                self.caches[v.cache] = path
+                continue
             info = self.build_cache(path, "topk" if v.kind == "topk" else "sampled", v.k, samples)
             self.caches[v.cache], self.results["caches"][v.cache] = path, info
             self.log(f"cache {v.cache}: K={v.k} ({info['mode']}), {info['bytes_per_token']:.1f} bytes/token, mean "
@@ -616,6 +653,8 @@ class Bench:
         return offline
 
     def train_student(self, v: Variant):
+        if v.name in self.results["variants"]:  # finished by a stopped run
+            return
         from megatron_kd.demo import DemoConfig, train_loop
         from megatron_kd.megatron.kd_data import KDDataset
 
@@ -644,9 +683,9 @@ class Bench:
         self.results["variants"][v.name] = {
             **asdict(v), "heldout_ce": metrics["ce"], "heldout_kl": metrics["kl"],
             "seconds_per_step": per_step, "bytes_per_token": cache.get("bytes_per_token"), "curve": curve}
+        self.stage("students (training + held-out)", time.perf_counter() - t)  # saved: a resume skips it
         self.log(f"{v.name}: held-out cross-entropy {metrics['ce']:.4f}, KL(teacher||student) {metrics['kl']:.4f}, "
                  f"{1e3 * per_step:.1f} ms/step")
-        self.stage("students (training + held-out)", time.perf_counter() - t)
 
     def best_tail(self) -> str:
         """The tail whose plain (ce_weight 0) top-K variants have the lowest mean held-out CE."""
@@ -679,6 +718,16 @@ class Bench:
         self.results["goals"] = goals(self.results)
         self.results["seconds"] = round(time.perf_counter() - self._t0, 1)
         return self.results
+
+
+def _complete_cache(path: Path) -> bool:
+    from megatron_kd.cache import CacheError, CacheReader
+
+    try:
+        CacheReader(path)
+        return True
+    except (CacheError, OSError):
+        return False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -815,8 +864,9 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
 
 
 def run(size: str, out: str | Path, variants: list[str] | None = None, *, dtype: str = "auto", log=print,
-        **overrides) -> dict:
-    """The whole benchmark; returns results.json's content. ``overrides`` replace preset fields."""
+        resume: bool = False, **overrides) -> dict:
+    """The whole benchmark; returns results.json's content. ``overrides`` replace preset fields;
+    ``resume`` continues a stopped run in ``out`` with the same settings where it stopped."""
     from megatron_kd.demo import _init_single_process
 
     preset = replace(PRESETS[size], **overrides)
@@ -828,9 +878,12 @@ def run(size: str, out: str | Path, variants: list[str] | None = None, *, dtype:
     if device.type == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     out = Path(out)
-    shutil.rmtree(out / "work", ignore_errors=True)  # datasets and caches are rebuilt every run
-    shutil.rmtree(out / "tensorboard", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(preset, out, device, autocast, log)
+    if not (resume and bench.resume()):
+        shutil.rmtree(out / "work", ignore_errors=True)  # datasets and caches are rebuilt
+        shutil.rmtree(out / "tensorboard", ignore_errors=True)
+        (out / "results.partial.json").unlink(missing_ok=True)
     _init_single_process()
     if device.type == "cuda":  # megatron-core's CUDA RNG tracker, seeded as Megatron-LM seeds it
         from megatron.core import tensor_parallel
@@ -839,9 +892,9 @@ def run(size: str, out: str | Path, variants: list[str] | None = None, *, dtype:
     # the DataLoader workers are forked after the tokenizer ran its thread pool, and never use it
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
-    bench = Bench(preset, out, device, autocast, log)
     results = bench.run(chosen)
     (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.partial.json").unlink(missing_ok=True)
     write_markdown(results, out / "results.md")
     plot(results, out / "curves.png")
     shutil.rmtree(out / "work")
@@ -858,6 +911,9 @@ def main(argv: list[str] | None = None) -> int:
                              "top{K}-{none|renorm|ghost|best}[-ce{W}], sampled[N]")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="autocast dtype of training and teacher passes (auto: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a run stopped in --out (same settings): keeps its teacher, caches and "
+                             "finished students")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="change one preset field, e.g. --set teacher_steps=2000 --set student=4,256,4")
     args = parser.parse_args(argv)
@@ -869,7 +925,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = preset_overrides(args.set)
     except ValueError as e:
         parser.error(str(e))
-    run(args.size, args.out, variants, dtype=args.dtype, log=lambda m: print(m, flush=True), **overrides)
+    run(args.size, args.out, variants, dtype=args.dtype, log=lambda m: print(m, flush=True), resume=args.resume,
+        **overrides)
     print(Path(args.out, "results.md").read_text())
     return 0
 

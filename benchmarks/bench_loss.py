@@ -25,6 +25,13 @@ Methods:
     ours-torch-main-grad   the same with gradient_accumulation_fusion into an fp32 main_grad (Megatron DDP)
     ours-triton            fused_topk_kl(impl="triton")
     ours-triton-main-grad  fused_topk_kl(impl="triton", gradient_accumulation_fusion=True)
+    megatron-ce            Megatron's own head without TE: bf16 logits GEMM (autograd, as ColumnParallelLinear
+                           without gradient-accumulation fusion) + tensor_parallel.vocab_parallel_cross_entropy
+                           on random labels (CE, not KL): GPTModel's default loss
+    megatron-ce-fused      the same with megatron-core's native fused_vocab_parallel_cross_entropy
+                           (--cross-entropy-loss-fusion --cross-entropy-fusion-impl native)
+    ours-triton-ce-main-grad  the same cross-entropy through the fused op (kd_weight 0, ce_weight 1, one
+                           padded teacher entry per token, main_grad): what ``--kd-ce-impl fused`` runs
 
 Shapes (tokens, hidden, vocab):
     h4096-v64k-8k / -32k / -128k / -256k   8192 / 32768 / 131072 / 262144 tokens, h 4096, V 65536
@@ -75,8 +82,9 @@ KL_METHODS = (
     "dense", "forward-chunked", "recompute-fused",
     "ours-torch", "ours-torch-main-grad", "ours-triton", "ours-triton-main-grad",
 )
-METHODS = ("floor", *KL_METHODS[:3], "liger-flce", *KL_METHODS[3:])
-TP_METHODS = tuple(m for m in METHODS if m.startswith("ours-"))
+CE_METHODS = ("megatron-ce", "megatron-ce-fused", "ours-triton-ce-main-grad")
+METHODS = ("floor", *KL_METHODS[:3], "liger-flce", *KL_METHODS[3:], *CE_METHODS)
+TP_METHODS = tuple(m for m in METHODS if m.startswith(("ours-", "megatron-")))
 TOPK = 100
 GiB = 2**30
 
@@ -132,6 +140,44 @@ def _kl_fn(method, chunk_size, tp_group):
     raise ValueError(method)
 
 
+def _ce_fn(method, labels, tp_group):
+    """(hidden, weight, ids, logprobs) -> summed cross-entropy on ``labels`` (the teacher is unused)."""
+    import torch
+
+    if method == "ours-triton-ce-main-grad":
+        from megatron_kd.ops import fused_topk_kl
+
+        def fused(h, w, _ids, _lps):
+            no_teacher = torch.full((h.shape[0], 1), -1, dtype=torch.int32, device=h.device)
+            no_lps = torch.full((h.shape[0], 1), float("-inf"), device=h.device)
+            return fused_topk_kl(h, w, no_teacher, no_lps, labels=labels, kd_weight=0.0, ce_weight=1.0, tail="none",
+                                 impl="triton", tp_group=tp_group, gradient_accumulation_fusion=True)[0]
+        return fused
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    if tp_group is None:  # megatron-core's cross-entropy always all-reduces over its group
+        tp_group = _single_rank_group()
+
+    def megatron(h, w, _ids, _lps):
+        logits = (h @ w.t()).unsqueeze(1)  # [s, b=1, V_local], bf16, as the output layer returns it
+        target = labels.unsqueeze(1)
+        if method == "megatron-ce-fused":
+            return fused_vocab_parallel_cross_entropy(logits, target, tp_group).sum()
+        return vocab_parallel_cross_entropy(logits, target, tp_group=tp_group).sum()
+    return megatron
+
+
+def _single_rank_group():
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", init_method=f"tcp://localhost:{_free_port()}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    return dist.group.WORLD
+
+
 def _step_fn(method, hp, wp, ids, lps, chunk_size=None, tp_group=None):
     """One forward+backward of ``method``, and the bytes of the gradients it leaves."""
     import torch
@@ -146,7 +192,12 @@ def _step_fn(method, hp, wp, ids, lps, chunk_size=None, tp_group=None):
             return logits @ w, logits.t() @ h
         return step, grad_bytes
 
-    if method == "liger-flce":
+    if method in CE_METHODS:
+        g = torch.Generator(device=hp.device).manual_seed(2)
+        vocab = wp.shape[0] * (1 if tp_group is None else torch.distributed.get_world_size(tp_group))
+        labels = torch.randint(0, vocab, (hp.shape[0],), device=hp.device, generator=g)
+        loss_fn = _ce_fn(method, labels, tp_group)
+    elif method == "liger-flce":
         try:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
         except Exception as e:  # not installed, or no Triton/GPU to import it with
@@ -322,15 +373,17 @@ def kernel_sweep(shape: str, chunk: int, configs: str):
                                        vocab_local=vocab, dtype=torch.float32)
     nbytes = block.numel() * block.element_size()
     for cfg in configs.split(","):
-        block_v, warps = map(int, cfg.split("x"))
+        block_v, warps, *group = map(int, cfg.split("x"))
         topk_kl_triton._launch_config = lambda v, kernel, bv=block_v, w=warps: (bv, w)
+        topk_kl_triton.STATS_GROUP = group[0] if group else topk_kl_triton.STATS_GROUP
         local, z_s = topk_kl_triton.local_row_stats(block, teacher, None, None, 1.0)
         rs = chunk_math.combine_row_stats(local.unsqueeze(0), 0, 1.0, False)
         coefs = chunk_math.grad_coefficients(z_s, teacher, rs, torch.ones(chunk, device=dev), None, None, 1.0, "none")
         t_stats = cuda_median_ms(lambda: topk_kl_triton.local_row_stats(block, teacher, None, None, 1.0), reps=10)
         t_grad = cuda_median_ms(
             lambda: topk_kl_triton.logit_grad_(block, local, z_s, coefs, teacher, None, None, 1.0), reps=10)
-        print(f"kernels {shape} chunk {chunk} BLOCK_V {block_v:5d} warps {warps:2d}: row_stats {t_stats:6.3f} ms "
+        print(f"kernels {shape} chunk {chunk} BLOCK_V {block_v:5d} warps {warps:2d} "
+              f"group {topk_kl_triton.STATS_GROUP}: row_stats {t_stats:6.3f} ms "
               f"({nbytes / t_stats / 1e6:5.0f} GB/s), logit_grad {t_grad:6.3f} ms ({2 * nbytes / t_grad / 1e6:5.0f} GB/s)")
 
 
@@ -343,7 +396,7 @@ def main():
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes, one GPU each (ours-* methods)")
     p.add_argument("--check", action="store_true", help="correctness of the KL methods on a tiny problem")
     p.add_argument("--profile", action="store_true", help="print CUDA time per kernel for one step of each row")
-    p.add_argument("--kernel-sweep", metavar="BLOCKxWARPS,...", default=None,
+    p.add_argument("--kernel-sweep", metavar="BLOCKxWARPS[xGROUP],...", default=None,
                    help="time the Triton kernels alone on one [chunk-size x V] block of each shape, per config")
     p.add_argument("--out", type=Path, default=None, help="CSV file for the results")
     p.add_argument("--one", nargs=2, metavar=("METHOD", "SHAPE"), help=argparse.SUPPRESS)

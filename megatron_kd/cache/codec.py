@@ -37,47 +37,52 @@ def encode_topk(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[np.
     """(ids, logprobs) [..., K] -> (id_deltas uint32, codes uint16) [..., K]; validates the entries.
 
     Padding is id -1 or log-prob -inf. Raises CacheError for ids outside [-1, vocab_size), ids
-    repeated within a token, NaN / +inf / positive log-probs.
+    repeated within a token, NaN / +inf / positive log-probs. Tensors are encoded on their own
+    device (a teacher pass hands over CUDA tensors: the per-token sort then costs the GPU a few
+    microseconds instead of the writer's CPU most of its time); only the codes come to the host.
     """
-    ids = ids.detach().cpu().numpy() if torch.is_tensor(ids) else np.asarray(ids)
-    lps = logprobs.detach().cpu().float().numpy() if torch.is_tensor(logprobs) else np.asarray(logprobs, np.float32)
+    ids = ids.detach() if torch.is_tensor(ids) else torch.from_numpy(np.asarray(ids))
+    lps = logprobs.detach().float() if torch.is_tensor(logprobs) else torch.from_numpy(np.asarray(logprobs, np.float32))
+    lps = lps.to(ids.device)
     if ids.shape != lps.shape:
-        raise CacheError(f"{where}topk_ids {ids.shape} and topk_logprobs {lps.shape} must have the same shape")
-    if not np.issubdtype(ids.dtype, np.integer):
+        raise CacheError(f"{where}topk_ids {tuple(ids.shape)} and topk_logprobs {tuple(lps.shape)} must have the same "
+                         f"shape")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise CacheError(f"{where}topk_ids must be integers, got {ids.dtype}")
-    if ids.size:
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < -1 or hi >= vocab_size:
-            raise CacheError(f"{where}topk_ids holds id {lo if lo < -1 else hi}; expected -1 or [0, {vocab_size}) "
-                             f"(vocab_size={vocab_size})")
-        if np.isnan(lps).any():
-            raise CacheError(f"{where}topk_logprobs holds NaN")
-        if np.isposinf(lps).any():
-            raise CacheError(f"{where}topk_logprobs holds +inf")
-        if lps.max() > _POSITIVE_SLACK:
-            raise CacheError(f"{where}topk_logprobs holds {lps.max():.4g} > 0; log-probabilities must be <= 0")
-
-    valid = (ids >= 0) & np.isfinite(lps)
-    big = np.int64(vocab_size)  # sorts padding after every real id
-    key = np.where(valid, ids.astype(np.int64), big)
-    order = np.argsort(key, axis=-1, kind="stable")
-    sorted_ids = np.take_along_axis(key, order, -1)
-    sorted_lps = np.take_along_axis(lps, order, -1)
+    ids = ids.long()
+    valid = (ids >= 0) & torch.isfinite(lps)
+    big = vocab_size  # sorts padding after every real id
+    key = torch.where(valid, ids, big)
+    sorted_ids, order = torch.sort(key, dim=-1, stable=True)
+    sorted_lps = torch.gather(lps, -1, order)
     sorted_valid = sorted_ids < big
-    gaps = np.diff(sorted_ids, axis=-1)
-    if (gaps[sorted_valid[..., 1:]] == 0).any():
-        tok = np.argwhere((gaps == 0) & sorted_valid[..., 1:])[0][:-1]
-        raise CacheError(f"{where}topk_ids repeats an id within token {tuple(int(t) for t in tok)}")
+    repeated = (torch.diff(sorted_ids, dim=-1) == 0) & sorted_valid[..., 1:]
+    if ids.numel():  # every check in one device-to-host copy
+        lo, hi, nan, posinf, top, dup = torch.stack([
+            ids.min().double(), ids.max().double(), lps.isnan().any().double(), lps.isposinf().any().double(),
+            torch.nan_to_num(lps, nan=-np.inf, posinf=-np.inf).max().double(), repeated.any().double()]).tolist()
+        if lo < -1 or hi >= vocab_size:
+            raise CacheError(f"{where}topk_ids holds id {int(lo if lo < -1 else hi)}; expected -1 or [0, {vocab_size}) "
+                             f"(vocab_size={vocab_size})")
+        if nan:
+            raise CacheError(f"{where}topk_logprobs holds NaN")
+        if posinf:
+            raise CacheError(f"{where}topk_logprobs holds +inf")
+        if top > _POSITIVE_SLACK:
+            raise CacheError(f"{where}topk_logprobs holds {top:.4g} > 0; log-probabilities must be <= 0")
+        if dup:
+            tok = torch.nonzero(repeated)[0][:-1].tolist()
+            raise CacheError(f"{where}topk_ids repeats an id within token {tuple(tok)}")
 
     # running sums of these give the sorted ids, then -1 from the first padding entry on
-    prev = np.concatenate([np.zeros(ids.shape[:-1] + (1,), np.int64), sorted_ids[..., :-1]], -1)
-    prev_valid = np.concatenate([np.ones(ids.shape[:-1] + (1,), bool), sorted_valid[..., :-1]], -1)
+    prev = torch.cat([torch.zeros_like(sorted_ids[..., :1]), sorted_ids[..., :-1]], -1)
+    prev_valid = torch.cat([torch.ones_like(sorted_valid[..., :1]), sorted_valid[..., :-1]], -1)
     first_pad = ~sorted_valid & prev_valid
-    deltas = np.where(sorted_valid, sorted_ids - prev, np.where(first_pad, -1 - prev, 0))
-    deltas = deltas.astype(np.int64).astype(np.uint32)
-    codes = np.clip(np.rint(-sorted_lps.astype(np.float64) * LOGPROB_SCALE), 0, MAX_CODE).astype(np.uint16)
-    codes[~sorted_valid] = PAD_CODE
-    return deltas, codes
+    deltas = torch.where(sorted_valid, sorted_ids - prev, torch.where(first_pad, -1 - prev, 0))
+    # round half to even, as numpy's rint
+    codes = torch.round(-sorted_lps.double() * LOGPROB_SCALE).clamp_(0, MAX_CODE).to(torch.int32)
+    codes = torch.where(sorted_valid, codes, PAD_CODE)
+    return deltas.cpu().numpy().astype(np.uint32), codes.cpu().numpy().astype(np.uint16)
 
 
 def decode_topk(id_deltas: np.ndarray, codes: np.ndarray, *, ids_dtype=torch.int32) -> tuple[torch.Tensor, torch.Tensor]:

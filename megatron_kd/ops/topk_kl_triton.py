@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from megatron_kd.ops import topk_kl_torch as chunk_math
-from megatron_kd.ops.triton_lse import LOG2E, lanes_sumexp, online_sumexp
+from megatron_kd.ops.triton_lse import LOG2E, lanes_sumexp, online_sumexp_groups
 from megatron_kd.ops.topk_kl_torch import (
     NUM_ROW_STATS,
     ROW_LABEL_LOGIT,
@@ -36,6 +36,10 @@ from megatron_kd.ops.topk_kl_torch import (
     ROW_TARGET_DOT,
     ROW_TEACHER_SUMEXP,
 )
+
+
+# Columns per lane of the statistics pass (see row_stats_kernel); bench_loss.py --kernel-sweep.
+STATS_GROUP = 4
 
 
 def _launch_config(vocab_local: int, kernel: str) -> tuple[int, int]:
@@ -60,22 +64,26 @@ def row_stats_kernel(
     I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
     I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr,
     HAS_LABELS: tl.constexpr, SEPARATE_SUM_1: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
-    cols = tl.arange(0, BLOCK_V)
-    # Per-lane running max and sums: no cross-lane reduction inside the loop.
-    m = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    s_t = tl.zeros([BLOCK_V], tl.float32)
-    s_1 = tl.zeros([BLOCK_V], tl.float32)
+    # A tile is [BLOCK_V / GROUP lanes, GROUP consecutive columns]; each lane keeps a running max
+    # and sums, so the loop has no cross-lane reduction, and its max-rescaling exp2 is paid once per
+    # GROUP columns instead of once per column (the special-function unit, not HBM, bounded the
+    # one-column-per-lane version).
+    LANES: tl.constexpr = BLOCK_V // GROUP
+    cols = tl.arange(0, LANES)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    m = tl.full([LANES], float("-inf"), tl.float32)
+    s_t = tl.zeros([LANES], tl.float32)
+    s_1 = tl.zeros([LANES], tl.float32)
     for start in range(0, V, BLOCK_V):
         offs = start + cols
         z = tl.load(z_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, z)
-        s_t = online_sumexp(s_t, m, m_new, z, scale_t)
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        s_t = online_sumexp_groups(s_t, m, m_new, z, scale_t)
         if SEPARATE_SUM_1:
-            s_1 = online_sumexp(s_1, m, m_new, z, LOG2E)
+            s_1 = online_sumexp_groups(s_1, m, m_new, z, LOG2E)
         m = m_new
     row_max = tl.max(m, axis=0)
     sum_t = lanes_sumexp(s_t, m, row_max, scale_t)
@@ -190,7 +198,8 @@ def local_row_stats(
         NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
         I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
         HAS_LABELS=has_labels, SEPARATE_SUM_1=has_labels and temperature != 1.0,
-        BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
+        BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), GROUP=min(STATS_GROUP, block_v),
+        num_warps=warps,
     )
     return stats, z_s
 

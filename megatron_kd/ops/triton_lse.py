@@ -24,6 +24,14 @@ def online_sumexp(s, m_old, m_new, z, scale):
 
 
 @triton.jit
+def online_sumexp_groups(s, m_old, m_new, z, scale):
+    """``online_sumexp`` for z of [lanes, group] (a group of columns per lane, summed per lane):
+    one rescaling exp2 per group instead of per column."""
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return s * tl.exp2((m_old - m_ref) * scale) + tl.sum(tl.exp2((z - m_ref[:, None]) * scale), axis=1)
+
+
+@triton.jit
 def lanes_sumexp(s, m, row_max, scale):
     """Σ over lanes of s rescaled to the row max: the row's Σ exp2((x - row_max)·scale)."""
     lane_ref = tl.where(m == float("-inf"), row_max, m)

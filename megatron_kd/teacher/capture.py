@@ -82,7 +82,8 @@ def capture_teacher(teacher, dataset, writer, cfg: CaptureConfig, *, device=None
         else:
             gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + int(samples[0]))
             ids, lps = vocab_parallel_sample(hidden, weight, cfg.topk, generator=gen, **kw)
-        ids, lps = ids.transpose(0, 1).cpu(), lps.transpose(0, 1).cpu()  # [b, s, K]
+        # [b, s, K], left on the device: the writer encodes (sorts, validates) them there
+        ids, lps = ids.transpose(0, 1), lps.transpose(0, 1)
         if is_writer:
             writer.write(samples, ids, lps)
         tokens_done += ids.shape[0] * ids.shape[1]

@@ -122,11 +122,13 @@ def test_chunking_does_not_change_result(seed, chunk_size):
 
 def test_auto_chunk_size_respects_budget():
     cpu = torch.device("cpu")
-    for vocab, tokens in [(201_088, 32_768), (65_536, 8192), (1000, 10), (50, 100_000)]:
+    for vocab, tokens in [(201_088, 32_768), (65_536, 8192), (1000, 10), (50, 100_000), (4096, 10**6), (4096, 5000)]:
         c = auto_chunk_size(tokens, vocab, device=cpu, block_dtype=torch.float32,
                             gemm_dtype=torch.float32, extra_block=False)
         assert 1 <= c <= tokens
         assert c == 1 or c * vocab * 4 <= 32 * 2**20
+        n = -(-tokens // c)  # no short last chunk: its GEMMs would run far below the others' rate
+        assert n == 1 or c < 128 or tokens - (n - 1) * c >= c // 2, (vocab, tokens, c)
     # one extra block halves the chunk
     a = auto_chunk_size(10**6, 4096, device=cpu, block_dtype=torch.float32, gemm_dtype=torch.float32, extra_block=False)
     b = auto_chunk_size(10**6, 4096, device=cpu, block_dtype=torch.float32, gemm_dtype=torch.float32, extra_block=True)

@@ -32,7 +32,8 @@ def main():
     stats = {"NUM_STATS": 6, "I_MAX": 0, "I_LABEL": 5, "V": GPT_OSS_VOCAB, "BLOCK_V": 4096, "BLOCK_K": 128}
     compile_sm90(
         row_stats_kernel, {"z_ptr": "*bf16", "z_stride": "i64", "target_ptr": "*fp32", **rows},
-        {**stats, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "HAS_LABELS": True, "SEPARATE_SUM_1": True},
+        {**stats, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "HAS_LABELS": True, "SEPARATE_SUM_1": True,
+         "GROUP": 4},
         num_warps=8,
     )
     compile_sm90(
