@@ -225,11 +225,24 @@ def _plot(curves: dict, path: Path, table: dict):
     plt.close(fig)
 
 
+def open_cache_writer(cache: Path, **params):
+    """The demo's cache writer: a cache left by other settings (another teacher) or damaged is
+    started again; one that another demo is writing right now is left alone (CacheBusyError)."""
+    from megatron_kd.cache import CacheBusyError, CacheError, CacheWriter
+
+    try:
+        return CacheWriter(cache, **params)
+    except CacheBusyError:
+        raise
+    except CacheError:
+        shutil.rmtree(cache)
+        return CacheWriter(cache, **params)
+
+
 def run_demo(cfg: DemoConfig, log=print) -> dict:
     # (imported here so that `megatron-kd --help` and the cache commands stay light)
     from torch.utils.tensorboard import SummaryWriter
 
-    from megatron_kd.cache import CacheError, CacheWriter
     from megatron_kd.megatron.args import KDConfig
     from megatron_kd.megatron.data import (
         ByteTokenizer,
@@ -281,11 +294,7 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
             "dataset_fingerprint": dataset_fingerprint(student_ds)}
     params = dict(vocab_size=vocab, topk=cfg.topk, seq_length=cfg.seq_length, num_samples=cfg.student_steps * mbs,
                   micro_batch_size=mbs, metadata=meta)
-    try:
-        writer = CacheWriter(cache, **params)
-    except CacheError:  # another teacher's (or a damaged) cache: start it again
-        shutil.rmtree(cache)
-        writer = CacheWriter(cache, **params)
+    writer = open_cache_writer(cache, **params)
     # the samples the student consumes (steps x micro-batch), in its order
     with writer:
         summary = capture_teacher(teacher_model, student_ds, writer, CaptureConfig(topk=cfg.topk, micro_batch_size=mbs),

@@ -33,6 +33,10 @@ class CacheError(ValueError):
     """A teacher cache that is malformed, mismatched, incomplete, or fed bad data."""
 
 
+class CacheBusyError(CacheError):
+    """A partition another writer holds: the cache is fine, only not this process's to write now."""
+
+
 def encode_topk(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(ids, logprobs) [..., K] -> (id_deltas uint32, codes uint16) [..., K]; validates the entries.
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from megatron_kd.cache.codec import CacheError, encode_topk
+from megatron_kd.cache.codec import CacheBusyError, CacheError, encode_topk
 from megatron_kd.cache.meta import ATTR_KEY, METADATA_KEYS, MODES, CacheMeta
 from megatron_kd.cache.store import (
     ARRAYS,
@@ -55,7 +55,7 @@ def _open_or_create_root(path: Path, meta: CacheMeta) -> zarr.Group:
 
 
 def _lock_partition(path: Path, rank: int):
-    """An open lock file of partition ``rank`` under an exclusive flock; CacheError if another
+    """An open lock file of partition ``rank`` under an exclusive flock; CacheBusyError if another
     writer (this process or any other) holds it."""
     part = path / partition_name(rank)
     part.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,7 @@ def _lock_partition(path: Path, rank: int):
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise CacheError(f"{file}: another writer holds partition {rank} of {path}; one writer per data-parallel "
+        raise CacheBusyError(f"{file}: another writer holds partition {rank} of {path}; one writer per data-parallel "
                          f"rank (wait for it, or stop it: a killed writer's lock goes with its process)") from None
     except OSError as e:
         handle.close()
