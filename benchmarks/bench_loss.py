@@ -257,6 +257,31 @@ def _print_kernel_profile(step, rows=14):
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60),
           file=sys.stderr)
+    print(_idle_report(prof.events()), file=sys.stderr)
+
+
+def _idle_report(events, top=8) -> str:
+    """GPU busy vs idle between the step's first and last kernel, and the longest idle gaps with the
+    kernels on either side: time that no kernel table shows."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not kernels:
+        return "no kernels recorded"
+    gaps, busy, end, last = [], 0.0, kernels[0][0], kernels[0][2]
+    for start, stop, name in kernels:
+        if start > end:
+            gaps.append((start - end, last, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, last = stop, name
+    span = end - kernels[0][0]
+    lines = [f"GPU span {span / 1e3:.2f} ms: busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
+             f"in {len(gaps)} gaps; longest:"]
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {gap / 1e3:8.3f} ms  after {before[:50]}  before {after[:50]}")
+    return "\n".join(lines)
 
 
 def _tp_rank(rank, tp, port, results, *args):
