@@ -247,8 +247,11 @@ def _measure(method, tokens, hidden, vocab, reps, chunk_size, device, tp_group=N
     )
 
 
-def _print_kernel_profile(step, rows=14):
-    """CUDA time per kernel name over one step (stderr): where the milliseconds above the floor go."""
+def _print_kernel_profile(step, rows=14, steps=3):
+    """CUDA time per kernel name over one step (stderr): where the milliseconds above the floor go.
+    Then ``steps`` steps back to back, timed by events as the benchmark times them, against the
+    kernels' busy time: a step slower than its kernels means time outside them (per-step host work)
+    or kernels slower under sustained load than alone."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -258,6 +261,15 @@ def _print_kernel_profile(step, rows=14):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60),
           file=sys.stderr)
     print(_idle_report(prof.events()), file=sys.stderr)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+    print(f"{steps} steps back to back: {start.elapsed_time(end) / steps:.2f} ms per step by events; kernels: "
+          + _idle_report(prof.events(), top=3).replace("\n", "\n  "), file=sys.stderr)
 
 
 def _idle_report(events, top=8) -> str:
