@@ -52,6 +52,9 @@ curves in curves.png (the teacher's panel adds its held-out curve).
 
 Writes OUT/results.json (every number, curves, stage times), OUT/results.md (tables and the issue's
 goals), OUT/curves.png and OUT/tensorboard; datasets and caches live in OUT/work during the run.
+After every stage OUT/results.partial.json holds what is done; ``--resume`` continues a stopped run
+(same settings) from there, keeping the tokenizer, the teacher's weights, complete caches and
+finished students.
 """
 
 from __future__ import annotations
