@@ -458,8 +458,8 @@ class Bench:
 
         p, t = self.p, time.perf_counter()
         train_docs, heldout_docs = read_corpus(p.corpus_bytes, p.heldout_percent, p.max_file_bytes)
-        saved = self.work / "tokenizer.json"  # a resumed run's caches were written with this one
-        if "teacher" in self.results and saved.exists():
+        saved = self.work / "tokenizer.json"  # kept only by --resume: its caches were written with this one
+        if saved.exists():
             from tokenizers import Tokenizer
 
             self.tok = _bpe_tokenizer_class()(Tokenizer.from_file(str(saved)))

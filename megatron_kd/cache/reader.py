@@ -84,6 +84,14 @@ class CacheReader:
                 self._partitions[rank] = (strict(group["ids"]), strict(group["logprobs"]), done)
             return self._partitions[rank]
 
+    def _in_range(self, samples) -> np.ndarray:
+        """Global sample indices as int64 [n]; CacheError for one outside the cache."""
+        samples = np.atleast_1d(np.asarray(samples, dtype=np.int64))
+        bad = samples[(samples < 0) | (samples >= self.meta.num_samples)]
+        if len(bad):
+            raise CacheError(f"{self.path}: sample {int(bad[0])} is outside the cache's 0..{self.meta.num_samples - 1}")
+        return samples
+
     def _require_written(self, rank: int, rows: np.ndarray, samples: np.ndarray) -> None:
         done = self._partition(rank)[2]
         if not done[rows].all():
@@ -98,10 +106,7 @@ class CacheReader:
         returns how many shard files were checked."""
         if samples is None:
             samples = range(self.meta.num_samples)
-        samples = np.asarray(samples if isinstance(samples, (range, np.ndarray)) else list(samples), dtype=np.int64)
-        bad = samples[(samples < 0) | (samples >= self.meta.num_samples)]
-        if len(bad):
-            raise CacheError(f"{self.path}: sample {int(bad[0])} is outside the cache's 0..{self.meta.num_samples - 1}")
+        samples = self._in_range(samples if isinstance(samples, (range, np.ndarray)) else list(samples))
         ranks, rows = self.meta.layout.locate(samples)
         order = np.argsort(ranks, kind="stable")
         ranks, rows, samples = ranks[order], rows[order], samples[order]
@@ -120,10 +125,7 @@ class CacheReader:
     def read(self, sample_idx) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [n, seq_length, K] (-1 = padding) and float32 log-probs (-inf = padding) for the
         given global sample index (n = 1) or indices (n = len)."""
-        samples = np.atleast_1d(np.asarray(sample_idx, dtype=np.int64))
-        bad = samples[(samples < 0) | (samples >= self.meta.num_samples)]
-        if len(bad):
-            raise CacheError(f"{self.path}: sample {int(bad[0])} is outside the cache's 0..{self.meta.num_samples - 1}")
+        samples = self._in_range(sample_idx)
         ranks, rows = self.meta.layout.locate(samples)
         # runs of consecutive rows of one partition: one zarr read each
         breaks = np.flatnonzero((np.diff(ranks) != 0) | (np.diff(rows) != 1)) + 1

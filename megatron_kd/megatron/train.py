@@ -20,7 +20,6 @@ import sys
 import traceback
 from functools import partial
 
-
 from megatron_kd.errors import FlagError
 from megatron_kd.megatron.args import KDConfig, add_kd_args
 from megatron_kd.megatron.kd_data import KDDataset
@@ -206,13 +205,13 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
     except AssertionError as e:  # Megatron-LM's validation: the message, else the failing check itself
         check = str(e) or traceback.extract_tb(e.__traceback__)[-1].line
         raise FlagError(f"Megatron-LM rejected the arguments: {check}") from None
-    if hf_dir and args.padded_vocab_size < hf_vocab_rows(hf_dir):
+    hf_rows = hf_vocab_rows(hf_dir) if hf_dir else 0
+    if args.padded_vocab_size < hf_rows:
         # the checkpoint's embedding has more rows than the tokenizer has tokens (GPT-OSS: 201,088 rows):
         # keep them all, padded as Megatron pads (a multiple of --make-vocab-size-divisible-by x TP)
         multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-        args.padded_vocab_size = -(-hf_vocab_rows(hf_dir) // multiple) * multiple
+        args.padded_vocab_size = -(-hf_rows // multiple) * multiple
     return args
-
 
 
 def main(argv: list[str] | None = None) -> None:
