@@ -16,8 +16,10 @@ shift
 [ -f "$here/$size.sh" ] || { echo "distill.sh: unknown size '$size' (20b or 120b)" >&2; exit 2; }
 source "$here/gpt_oss.sh"
 source "$here/$size.sh"
+# --kd-tail renorm (the default) with 10% hard-label cross-entropy: the best top-K student in the
+# fidelity benchmark (README, Results)
 DISTILL=(
-  --bf16 --calculate-per-token-loss --kd-tail ghost
+  --bf16 --calculate-per-token-loss --kd-ce-weight 0.1
   --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --lr-warmup-fraction 0.01 --clip-grad 1.0 --weight-decay 0.1
   --split 99,1,0 --log-interval 1 --eval-interval 1000 --eval-iters 4
 )
