@@ -238,23 +238,15 @@ def format_plan(plan: Plan, gpu_memory: float, host_memory: float | None, gpus: 
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> int:
+def plan_args(flags: list[str], gpus: int) -> tuple[argparse.Namespace, Layout]:
+    """A run's Megatron-LM (and --kd-*) flags -> (its arguments with the derived sizes the estimate
+    needs, its layout). Mistakes are one ``FlagError``."""
     from megatron_kd.errors import FlagError
     from megatron_kd.megatron.train import megatron_parser
 
-    ours = argparse.ArgumentParser(prog="megatron-kd plan", add_help=False)
-    ours.add_argument("--gpus", type=int, default=8)
-    ours.add_argument("--gpu-memory", default="141GB")
-    ours.add_argument("--host-memory", default=None)
-    ours.add_argument("--loss", choices=("fused", "dense", "ce"), default="fused")
-    ours.add_argument("--search", action="store_true")
-    ours.add_argument("--top", type=int, default=8, help="layouts listed by --search")
-    opts, rest = ours.parse_known_args(argv)
     try:
-        args, unknown = megatron_parser().parse_known_args(rest)
-        gpu_memory = parse_size(opts.gpu_memory)
-        host_memory = parse_size(opts.host_memory) if opts.host_memory else None
-    except (argparse.ArgumentError, ValueError) as e:
+        args, unknown = megatron_parser().parse_known_args(flags)
+    except argparse.ArgumentError as e:
         raise FlagError(str(e)) from None
     if unknown:
         raise FlagError(f"unrecognized arguments: {' '.join(unknown)}")
@@ -273,11 +265,31 @@ def main(argv: list[str]) -> int:
     args.padded_vocab_size = -(-vocab // multiple) * multiple
     args.kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    args.global_batch_size = args.global_batch_size or opts.gpus
-    kd_topk = args.kd_topk
+    args.global_batch_size = args.global_batch_size or gpus
     layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                     ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
                     recompute=args.recompute_granularity == "full", micro_batch=args.micro_batch_size or 1)
+    return args, layout
+
+
+def main(argv: list[str]) -> int:
+    from megatron_kd.errors import FlagError
+
+    ours = argparse.ArgumentParser(prog="megatron-kd plan", add_help=False)
+    ours.add_argument("--gpus", type=int, default=8)
+    ours.add_argument("--gpu-memory", default="141GB")
+    ours.add_argument("--host-memory", default=None)
+    ours.add_argument("--loss", choices=("fused", "dense", "ce"), default="fused")
+    ours.add_argument("--search", action="store_true")
+    ours.add_argument("--top", type=int, default=8, help="layouts listed by --search")
+    opts, rest = ours.parse_known_args(argv)
+    try:
+        gpu_memory = parse_size(opts.gpu_memory)
+        host_memory = parse_size(opts.host_memory) if opts.host_memory else None
+    except ValueError as e:
+        raise FlagError(str(e)) from None
+    args, layout = plan_args(rest, opts.gpus)
+    kd_topk = args.kd_topk
     plans = {loss: estimate(args, layout, gpus=opts.gpus, loss=loss, kd_topk=kd_topk) for loss in ("fused", "ce", "dense")}
     print(format_plan(plans[opts.loss], gpu_memory, host_memory, opts.gpus))
     print("  loss paths: " + ", ".join(f"{loss} {p.total / GIB:.1f} GiB" for loss, p in plans.items()))
