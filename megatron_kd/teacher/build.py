@@ -41,7 +41,10 @@ def _hf_teacher(path: str, tokenizer, device) -> HFTeacher:
         hf_vocab = transformers.AutoTokenizer.from_pretrained(path).get_vocab()
     except (OSError, ValueError):
         hf_vocab = None  # no tokenizer files next to the weights: only the size was checked
-    ours = getattr(tokenizer, "vocab", None)
+    try:
+        ours = tokenizer.vocab
+    except (AttributeError, NotImplementedError):
+        ours = None  # a tokenizer without a vocabulary table (Megatron's NullTokenizer): only the size was checked
     if hf_vocab is not None and isinstance(ours, dict) and ours and hf_vocab != dict(ours):
         raise CacheError(f"teacher {path}: its tokenizer's vocabulary differs from the dataset's tokenizer")
     teacher.vocab_size = tokenizer.vocab_size

@@ -181,3 +181,21 @@ def test_hf_teacher_cache_equals_its_topk(tmp_path, seed):
     want_ids, worder = ref_ids.sort(-1)
     assert torch.equal(got_ids, want_ids)
     assert (lps.gather(-1, order).double() - ref_lp.gather(-1, worder)).abs().max() <= 1e-5 + 0.5 / 257
+
+
+def test_hf_teacher_with_a_tokenizer_without_vocabulary_table(tmp_path):
+    """``cache build --kd-teacher-hf`` with Megatron's NullTokenizer (no vocabulary table, as
+    benchmarks/bench_node.py runs it): the sizes are checked, the missing table is not an error."""
+    transformers = pytest.importorskip("transformers")
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    from megatron_kd.cache import CacheError
+    from megatron_kd.teacher.build import _hf_teacher
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "teacher")
+    teacher = _hf_teacher(str(tmp_path / "teacher"), NullTokenizer(VOCAB), "cpu")
+    assert teacher.vocab_size == VOCAB
+    with pytest.raises(CacheError, match=f"vocabulary of {VOCAB} tokens, the dataset's tokenizer {VOCAB + 8}"):
+        _hf_teacher(str(tmp_path / "teacher"), NullTokenizer(VOCAB + 8), "cpu")
