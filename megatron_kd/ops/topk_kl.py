@@ -157,20 +157,31 @@ def check_inputs(
 
     vocab = weight.shape[0] * tp
     vocab_note = f"vocabulary size {vocab} (weight rows {weight.shape[0]} x tp {tp})"
+    if labels is not None and labels.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"labels must be int32 or int64, got {labels.dtype}")
+    # every value check in one device-to-host copy: each separate .item() would stall the launch
+    # queue behind the model's forward
+    checks = []
     if topk_ids.numel():
-        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        checks += [topk_ids.min(), topk_ids.max(), torch.isnan(topk_logprobs).any(),
+                   (topk_logprobs == float("inf")).any()]
+    if labels is not None and labels.numel():
+        checks += [labels.min(), labels.max()]
+    values = torch.stack([c.to(torch.int64) for c in checks]).tolist() if checks else []
+    if topk_ids.numel():
+        lo, hi, has_nan, has_posinf = values[:4]
+        values = values[4:]
         if lo < -1 or hi >= vocab:
             bad = lo if lo < -1 else hi
             raise ValueError(f"topk_ids holds id {bad}; ids must be -1 (padding) or in [0, {vocab}), {vocab_note}")
-        if torch.isnan(topk_logprobs).any():
+        if has_nan:
             raise ValueError("topk_logprobs holds NaN; padding entries must be -inf (or id -1)")
-        if (topk_logprobs == float("inf")).any():
+        if has_posinf:
             raise ValueError("topk_logprobs holds +inf; log-probabilities must be <= 0 or -inf for padding")
-    if labels is not None:
-        if labels.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"labels must be int32 or int64, got {labels.dtype}")
-        if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab):
-            bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
+    if values:
+        lo, hi = values
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
             raise ValueError(f"labels holds id {bad} outside [0, {vocab}), {vocab_note}; mask tokens with loss_mask")
     if opts.gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
         raise ValueError("gradient_accumulation_fusion=True needs weight.main_grad (a Megatron DDP parameter)")

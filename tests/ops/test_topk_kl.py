@@ -220,6 +220,8 @@ def _bad_inputs():
     lp_inf[1, 1, 1] = float("inf")
     labels_big = x.labels.clone()
     labels_big[0, 0] = 50
+    labels_neg = x.labels.clone()
+    labels_neg[1, 0] = -3
     return [
         ("hidden", dict(ok, hidden=x.hidden[..., :-1]), {}),
         ("weight", dict(ok, weight=x.weight[0]), {}),
@@ -233,6 +235,7 @@ def _bad_inputs():
         (r"\+inf", dict(ok, topk_logprobs=lp_inf), {}),
         ("labels are required", ok, dict(ce_weight=0.5)),
         ("labels holds id 50", ok, dict(labels=labels_big)),
+        ("labels holds id -3", ok, dict(labels=labels_neg)),
         ("labels must have shape", ok, dict(labels=x.labels[:-1])),
         ("loss_mask must have shape", ok, dict(loss_mask=x.loss_mask[:, :1])),
         ("tail", ok, dict(tail="full")),
