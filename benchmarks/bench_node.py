@@ -63,6 +63,7 @@ def parse(argv=None):
     p.add_argument("--out", type=Path, default=Path("runs/node"))
     opts = p.parse_args(argv)
     opts.global_batch_size = opts.global_batch_size or 2 * opts.gpus
+    opts.out = opts.out.resolve()  # the launcher runs from the repository root
     unknown = set(opts.losses.split(",")) - set(LOSSES)
     if unknown:
         p.error(f"unknown losses {sorted(unknown)}: choose from {LOSSES}")
@@ -132,10 +133,9 @@ def write_teacher(opts) -> Path:
 
 
 def torchrun(opts, args: list[str], log: Path) -> tuple[int, str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(opts.gpus),
-           "-m", "megatron_kd.cli", *args]
-    env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    """``megatron-kd args`` on ``--gpus`` GPUs through the project's launcher (launch/torchrun.sh)."""
+    cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"), *args]
+    env = {**os.environ, "GPUS": str(opts.gpus), "PYTHON": sys.executable}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=opts.timeout)
         rc, text = proc.returncode, proc.stdout + proc.stderr
@@ -184,13 +184,9 @@ def plan_gib(flags: list[str], gpus: int, loss: str) -> float:
     return estimate(args, layout, gpus=gpus, loss="fused" if loss.startswith("fused") else loss).total / GIB
 
 
-def model_flops_per_step(flags: list[str], opts) -> float:
+def model_flops_per_step(args, opts) -> float:
     from bench_gptoss import model_flops
 
-    from megatron_kd.megatron.plan import plan_args
-
-    args, _ = plan_args(flags, opts.gpus)
-    args.window_size = tuple(args.window_size) if args.window_size else None
     return model_flops(args, opts.seq) * opts.global_batch_size
 
 
@@ -225,7 +221,7 @@ def main(argv=None):
     args, _ = plan_args(student, opts.gpus)
     results.update(size=opts.size, layers=args.num_layers, experts=args.num_experts, seq=opts.seq, gpus=opts.gpus,
                    global_batch_size=opts.global_batch_size, iters=opts.iters,
-                   model_tflop_per_step=model_flops_per_step(student, opts) / 1e12)
+                   model_tflop_per_step=model_flops_per_step(args, opts) / 1e12)
     losses = opts.losses.split(",")
     cache = build_cache(opts, data_prefix) if {"fused", "dense"} & set(losses) else None
     if cache is not None:
