@@ -161,25 +161,24 @@ def check_inputs(
         raise ValueError(f"labels must be int32 or int64, got {labels.dtype}")
     # every value check in one device-to-host copy: each separate .item() would stall the launch
     # queue behind the model's forward
-    checks = []
+    checks = {}
     if topk_ids.numel():
-        checks += [topk_ids.min(), topk_ids.max(), torch.isnan(topk_logprobs).any(),
-                   (topk_logprobs == float("inf")).any()]
+        checks.update(id_lo=topk_ids.min(), id_hi=topk_ids.max(), nan=torch.isnan(topk_logprobs).any(),
+                      posinf=(topk_logprobs == float("inf")).any())
     if labels is not None and labels.numel():
-        checks += [labels.min(), labels.max()]
-    values = torch.stack([c.to(torch.int64) for c in checks]).tolist() if checks else []
-    if topk_ids.numel():
-        lo, hi, has_nan, has_posinf = values[:4]
-        values = values[4:]
+        checks.update(label_lo=labels.min(), label_hi=labels.max())
+    got = dict(zip(checks, torch.stack([c.to(torch.int64) for c in checks.values()]).tolist())) if checks else {}
+    if "id_lo" in got:
+        lo, hi = got["id_lo"], got["id_hi"]
         if lo < -1 or hi >= vocab:
             bad = lo if lo < -1 else hi
             raise ValueError(f"topk_ids holds id {bad}; ids must be -1 (padding) or in [0, {vocab}), {vocab_note}")
-        if has_nan:
+        if got["nan"]:
             raise ValueError("topk_logprobs holds NaN; padding entries must be -inf (or id -1)")
-        if has_posinf:
+        if got["posinf"]:
             raise ValueError("topk_logprobs holds +inf; log-probabilities must be <= 0 or -inf for padding")
-    if values:
-        lo, hi = values
+    if "label_lo" in got:
+        lo, hi = got["label_lo"], got["label_hi"]
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise ValueError(f"labels holds id {bad} outside [0, {vocab}), {vocab_note}; mask tokens with loss_mask")
