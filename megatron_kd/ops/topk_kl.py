@@ -102,8 +102,9 @@ def check_inputs(
     loss_mask: torch.Tensor | None,
     labels: torch.Tensor | None,
     opts: TopKKLOptions,
-) -> int:
-    """Raise ``ValueError`` naming the bad argument; return the global vocabulary size."""
+) -> "PendingValueChecks":
+    """Raise ``ValueError`` naming the bad argument, for everything visible without reading values;
+    return the value checks pending (``raise_if_bad``) with the global vocabulary size (``vocab``)."""
     if opts.tail not in TAILS:
         raise ValueError(f"tail must be one of {TAILS}, got {opts.tail!r}")
     if opts.reduction not in REDUCTIONS:
@@ -156,35 +157,68 @@ def check_inputs(
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
 
     vocab = weight.shape[0] * tp
-    vocab_note = f"vocabulary size {vocab} (weight rows {weight.shape[0]} x tp {tp})"
     if labels is not None and labels.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"labels must be int32 or int64, got {labels.dtype}")
-    # every value check in one device-to-host copy: each separate .item() would stall the launch
-    # queue behind the model's forward
-    checks = {}
-    if topk_ids.numel():
-        checks.update(id_lo=topk_ids.min(), id_hi=topk_ids.max(), nan=torch.isnan(topk_logprobs).any(),
-                      posinf=(topk_logprobs == float("inf")).any())
-    if labels is not None and labels.numel():
-        checks.update(label_lo=labels.min(), label_hi=labels.max())
-    got = dict(zip(checks, torch.stack([c.to(torch.int64) for c in checks.values()]).tolist())) if checks else {}
-    if "id_lo" in got:
-        lo, hi = got["id_lo"], got["id_hi"]
-        if lo < -1 or hi >= vocab:
-            bad = lo if lo < -1 else hi
-            raise ValueError(f"topk_ids holds id {bad}; ids must be -1 (padding) or in [0, {vocab}), {vocab_note}")
-        if got["nan"]:
-            raise ValueError("topk_logprobs holds NaN; padding entries must be -inf (or id -1)")
-        if got["posinf"]:
-            raise ValueError("topk_logprobs holds +inf; log-probabilities must be <= 0 or -inf for padding")
-    if "label_lo" in got:
-        lo, hi = got["label_lo"], got["label_hi"]
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"labels holds id {bad} outside [0, {vocab}), {vocab_note}; mask tokens with loss_mask")
     if opts.gradient_accumulation_fusion and not hasattr(weight, "main_grad"):
         raise ValueError("gradient_accumulation_fusion=True needs weight.main_grad (a Megatron DDP parameter)")
-    return vocab
+    return PendingValueChecks(topk_ids, topk_logprobs, labels, vocab=vocab, tp=tp)
+
+
+class PendingValueChecks:
+    """The checks that read tensor values (ids and labels in range, no NaN / +inf log-probabilities),
+    launched on the device and copied to the host without waiting.
+
+    ``fused_topk_kl`` reads the verdict only after it has queued its first logits GEMM, so the GPU
+    is not left idle behind a synchronizing read; nothing is written before that (bad ids and labels
+    are masked out of every kernel, so the work queued first is harmless).
+    """
+
+    def __init__(self, topk_ids, topk_logprobs, labels, *, vocab: int, tp: int):
+        self.vocab = vocab
+        self._note = f"vocabulary size {vocab} (weight rows {vocab // tp} x tp {tp})"
+        checks = {}
+        if topk_ids.numel():
+            checks.update(id_lo=topk_ids.min(), id_hi=topk_ids.max(), nan=torch.isnan(topk_logprobs).any(),
+                          posinf=(topk_logprobs == float("inf")).any())
+        if labels is not None and labels.numel():
+            checks.update(label_lo=labels.min(), label_hi=labels.max())
+        self._names = list(checks)
+        self._event = None
+        self._values = None
+        if checks:
+            values = torch.stack([c.to(torch.int64) for c in checks.values()])
+            if values.is_cuda:
+                self._values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+                self._values.copy_(values, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record()
+            else:
+                self._values = values
+
+    def raise_if_bad(self) -> None:
+        """Wait for the verdict; raise ``ValueError`` naming the bad argument."""
+        if self._values is None:
+            return
+        if self._event is not None:
+            self._event.synchronize()
+        got = dict(zip(self._names, self._values.tolist()))
+        vocab = self.vocab
+        if "id_lo" in got:
+            lo, hi = got["id_lo"], got["id_hi"]
+            if lo < -1 or hi >= vocab:
+                bad = lo if lo < -1 else hi
+                raise ValueError(f"topk_ids holds id {bad}; ids must be -1 (padding) or in [0, {vocab}), {self._note}")
+            if got["nan"]:
+                raise ValueError("topk_logprobs holds NaN; padding entries must be -inf (or id -1)")
+            if got["posinf"]:
+                raise ValueError("topk_logprobs holds +inf; log-probabilities must be <= 0 or -inf for padding")
+        if "label_lo" in got:
+            lo, hi = got["label_lo"], got["label_hi"]
+            if lo < 0 or hi >= vocab:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"labels holds id {bad} outside [0, {vocab}), {self._note}; mask tokens with loss_mask"
+                )
 
 
 def fused_topk_kl(
@@ -223,11 +257,13 @@ def fused_topk_kl(
         chunk_size=chunk_size, gradient_accumulation_fusion=gradient_accumulation_fusion,
         impl=resolve_impl(impl, hidden),
     )
-    check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
+    value_checks = check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
 
     from megatron_kd.ops.topk_kl_function import FusedTopKKLFunction
 
-    loss, stats = FusedTopKKLFunction.apply(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
+    loss, stats = FusedTopKKLFunction.apply(
+        hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts, value_checks
+    )
     return loss, unpack_stats(stats, has_labels=labels is not None)
 
 

@@ -1,18 +1,21 @@
 """Chunk loop and autograd.Function of ``fused_topk_kl``.
 
-Per chunk of c tokens (three GEMMs in all, the floor):
+Once per call: the teacher terms of all T tokens ([T, K], as big as the cached inputs themselves)
+and the labels' shard columns. Per chunk of c tokens (three GEMMs in all, the floor):
 
     z   = h_c · W_localᵀ                      GEMM 1                      [c, V_local]
     local row stats                            row_stats (torch or Triton)
     all-gather [c, 6] across the TP group      one small collective
-    z -> G = dLoss/dz in place                 grad_coefficients + logit_grad_
+    combine, losses, gradient coefficients     torch ops, or one Triton kernel (row_terms)
+    z -> G = dLoss/dz in place                 logit_grad_
     grad_h[c]  = G · W_local                   GEMM 2
     grad_W    += Gᵀ · h_c                      GEMM 3, fp32 accumulation
+Per-token losses land in [T] buffers, summed once after the loop.
 
 impl "torch": the block is fp32 (fp64 for fp64 inputs) and plain torch ops walk it; on CUDA with
 bf16/fp16 inputs G is cast to a low-precision copy for GEMMs 2-3.
-impl "triton" (CUDA): the block is in the input dtype, two kernels walk it (topk_kl_triton.py) and
-it is handed to GEMMs 2-3 as it is. Only one block is alive at a time.
+impl "triton" (CUDA): the block is in the input dtype, three kernels per chunk (topk_kl_triton.py)
+and it is handed to GEMMs 2-3 as it is. Only one block is alive at a time.
 Gradients are complete when forward returns; backward multiplies them by the incoming gradient.
 Under TP, grad_h is a partial sum over vocabulary shards: all-reduced at the end, or
 reduce-scattered back to the sequence shard under sequence parallelism.
@@ -30,7 +33,7 @@ from megatron_kd.ops.comm import (
     group_rank,
     reduce_scatter_first_dim,
 )
-from megatron_kd.ops.topk_kl import TopKKLOptions
+from megatron_kd.ops.topk_kl import PendingValueChecks, TopKKLOptions
 
 _MiB = 1 << 20
 # Budget for the fp32 logits block. On CUDA this keeps the op within ~0.5 GiB of its inputs and
@@ -119,10 +122,14 @@ def topk_kl_forward(
     loss_mask: torch.Tensor | None,
     labels: torch.Tensor | None,
     opts: TopKKLOptions,
+    value_checks: PendingValueChecks,
     need_grad_hidden: bool,
     need_grad_weight: bool,
 ):
-    """Loss, stats [4] and the gradients (grad_hidden, grad_weight or None for each)."""
+    """Loss, stats [4] and the gradients (grad_hidden, grad_weight or None for each).
+
+    ``value_checks`` (from ``check_inputs``) is read once the first logits GEMM is queued.
+    """
     group = opts.tp_group
     rank = group_rank(group)
     tau = float(opts.temperature)
@@ -164,6 +171,21 @@ def topk_kl_forward(
     # CPU with bf16/fp16 inputs: one upcast copy of the shard (no mixed-precision GEMMs there).
     w_gemm = weight if gemm_dtype == weight.dtype else weight.to(acc)
 
+    # Teacher terms and label columns once for all tokens ([T, K]: the size of the cache inputs),
+    # per-token losses into [T] buffers summed after the loop: per chunk, only the work that needs
+    # its logits is launched. (Before the big buffers: its temporaries do not add to the peak.)
+    teacher_all = chunk_math.teacher_terms(
+        ids2d, lps2d, tail=opts.tail, temperature=tau, vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc,
+    )
+    columns_all = topk_kl_triton.teacher_columns(teacher_all) if use_triton else None
+    label_idx_all = label_owned_all = None
+    if has_labels:
+        label_idx_all, label_owned_all = chunk_math.local_labels(
+            labels1d, vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc
+        )
+    kd_rows = torch.empty(num_tokens, dtype=acc, device=hidden.device)
+    ce_rows = torch.empty(num_tokens, dtype=acc, device=hidden.device) if has_labels else None
+
     grad_h2d = torch.empty_like(h2d) if need_grad_hidden else None
     grad_w_acc = None
     if need_grad_weight:
@@ -175,7 +197,6 @@ def topk_kl_forward(
     if use_triton:  # reused by every chunk: logits in, gradient out
         block_buf = torch.empty(min(chunk, num_tokens), vocab_local, dtype=block_dtype, device=hidden.device)
 
-    totals = torch.zeros(4, dtype=acc, device=hidden.device)  # loss, Σρ'·kd, Σρ'·ce, Σρ'·M
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         h_c = h2d[start:end]
@@ -184,43 +205,41 @@ def topk_kl_forward(
             block = torch.mm(h_c_gemm, w_gemm.t(), out=block_buf[: end - start])
         else:
             block = chunk_logits(h_c_gemm, w_gemm, acc)
+        if start == 0:  # the GPU has work queued while we wait; nothing has been written yet
+            value_checks.raise_if_bad()
 
-        teacher = chunk_math.teacher_terms(
-            ids2d[start:end], lps2d[start:end], tail=opts.tail, temperature=tau,
-            vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc,
-        )
+        teacher = teacher_all.rows(start, end)
+        rho = row_weight[start:end]
         label_idx = label_owned = None
         if has_labels:
-            label_idx, label_owned = chunk_math.local_labels(
-                labels1d[start:end], vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc
-            )
+            label_idx, label_owned = label_idx_all[start:end], label_owned_all[start:end]
         if use_triton:
             local, z_s = topk_kl_triton.local_row_stats(block, teacher, label_idx, label_owned, tau)
+            terms = topk_kl_triton.row_terms(
+                all_gather_stack(local, group), rank, teacher, rho, label_owned,
+                kd_rows[start:end], ce_rows[start:end] if has_labels else None,
+                kd_weight=opts.kd_weight, ce_weight=opts.ce_weight, temperature=tau, tail=opts.tail,
+                need_grad=need_grad,
+            )
+            if need_grad:
+                g = topk_kl_triton.logit_grad_(
+                    block, local, z_s, terms, teacher, columns_all.rows(start, end), label_idx, label_owned, tau
+                )
         else:
             local, z_s = chunk_math.local_row_stats_(block, teacher, label_idx, label_owned, tau)
-        rs = chunk_math.combine_row_stats(all_gather_stack(local, group), rank, tau, has_labels)
-        kd, ce = chunk_math.row_losses(teacher, rs, tau, opts.tail)
-
-        rho, m_c = row_weight[start:end], mask[start:end]
-        row_loss = (opts.kd_weight * tau * tau) * kd
-        if ce is not None and opts.ce_weight != 0:
-            row_loss = row_loss + opts.ce_weight * ce
-        totals[0] += (rho * row_loss).sum()
-        totals[1] += (m_c * kd).sum()
-        if ce is not None:
-            totals[2] += (m_c * ce).sum()
-        totals[3] += (m_c * teacher.mass).sum()
-
-        if need_grad:
-            ce_scale = opts.ce_weight * rho if (has_labels and opts.ce_weight != 0) else None
-            coefs = chunk_math.grad_coefficients(
-                z_s, teacher, rs, (opts.kd_weight * tau) * rho, ce_scale, label_owned, tau, opts.tail
-            )
-            if use_triton:
-                g = topk_kl_triton.logit_grad_(block, local, z_s, coefs, teacher, label_idx, label_owned, tau)
-            else:
+            rs = chunk_math.combine_row_stats(all_gather_stack(local, group), rank, tau, has_labels)
+            kd_rows[start:end], ce = chunk_math.row_losses(teacher, rs, tau, opts.tail)
+            if has_labels:
+                ce_rows[start:end] = ce
+            if need_grad:
+                ce_scale = opts.ce_weight * rho if (has_labels and opts.ce_weight != 0) else None
+                coefs = chunk_math.grad_coefficients(
+                    z_s, teacher, rs, (opts.kd_weight * tau) * rho, ce_scale, label_owned, tau, opts.tail
+                )
                 g = chunk_math.logit_grad_(block, coefs, teacher, label_idx, tau)
                 g = g.to(gemm_dtype)  # no copy unless mixed-precision GEMMs follow
+
+        if need_grad:
             if need_grad_hidden:
                 if g.dtype == grad_h2d.dtype:
                     torch.mm(g, w_gemm, out=grad_h2d[start:end])
@@ -234,9 +253,13 @@ def topk_kl_forward(
             del g
         del block
 
-    stats = totals.new_empty(4)
-    stats[:3] = totals[1:] * inv_tokens if inv_tokens is not None else totals[1:]
-    stats[3] = tokens
+    row_loss = (opts.kd_weight * tau * tau) * kd_rows
+    if has_labels and opts.ce_weight != 0:
+        row_loss = row_loss + opts.ce_weight * ce_rows
+    loss = torch.dot(row_weight, row_loss)
+    per_row = torch.stack([kd_rows, ce_rows if has_labels else torch.zeros_like(kd_rows), teacher_all.mass])
+    sums = per_row @ mask  # Σρ'·kd, Σρ'·ce, Σρ'·M
+    stats = torch.cat([sums * inv_tokens if inv_tokens is not None else sums, tokens.reshape(1)])
 
     grad_hidden = None
     if need_grad_hidden:
@@ -248,7 +271,7 @@ def topk_kl_forward(
     grad_weight = None
     if need_grad_weight and not fuse_main_grad:
         grad_weight = grad_w_acc if grad_w_acc.dtype == weight.dtype else grad_w_acc.to(weight.dtype)
-    return totals[0], stats, grad_hidden, grad_weight
+    return loss, stats, grad_hidden, grad_weight
 
 
 def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
@@ -261,10 +284,11 @@ def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
 
 class FusedTopKKLFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts: TopKKLOptions):
+    def forward(ctx, hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts: TopKKLOptions,
+                value_checks: PendingValueChecks):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, stats, grad_hidden, grad_weight = topk_kl_forward(
-            hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts, need_h, need_w
+            hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts, value_checks, need_h, need_w
         )
         # Saved (not ctx attributes) so autograd frees them right after backward and AccumulateGrad
         # can adopt grad_weight as .grad without a copy.
@@ -290,4 +314,4 @@ class FusedTopKKLFunction(torch.autograd.Function):
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
                 grad_weight = _dummy_wgrad(weight)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None

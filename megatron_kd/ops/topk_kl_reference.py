@@ -53,7 +53,9 @@ def topk_kl_reference(
         kd_weight=kd_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
         reduction=reduction, tp_group=tp_group, sequence_parallel=sequence_parallel, chunk_size=chunk_size,
     )
-    vocab = check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
+    checks = check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
+    checks.raise_if_bad()
+    vocab = checks.vocab
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     tau = float(temperature)
 

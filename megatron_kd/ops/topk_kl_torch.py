@@ -3,7 +3,8 @@
 One chunk of c tokens goes through three steps; the chunk loop (``topk_kl_function.py``) runs the
 GEMMs and the tensor-parallel all-gather between them:
 
-1. ``teacher_terms``      [c, K] cached entries -> tempered targets, masses, constants.
+1. ``teacher_terms``      [T, K] cached entries -> tempered targets, masses, constants (once for
+                          all tokens, then sliced per chunk: O(T·K), like the cache inputs).
 2. ``local_row_stats_``   logits block [c, V_local] -> this rank's row statistics [c, 6];
                           the block is overwritten by e = exp((z - m_r) / τ) (no second block).
 3. ``combine_row_stats``  [tp, c, 6] from all ranks -> global logsumexp, sparse sums, softmax
@@ -42,6 +43,10 @@ class ChunkTeacher:
     const: torch.Tensor  # [c] C
     lse_coef: torch.Tensor  # [c] A
     mass: torch.Tensor  # [c] M (top-K mass of the tempered teacher, = cached mass)
+
+    def rows(self, start: int, end: int) -> "ChunkTeacher":
+        """Rows [start, end) as views (the terms are built once for all tokens, then walked in chunks)."""
+        return ChunkTeacher(**{f: getattr(self, f)[start:end] for f in self.__dataclass_fields__})
 
 
 def teacher_terms(

@@ -8,6 +8,10 @@ the same memory) and is touched by two kernels, one program per row:
                        the CE term when τ != 1), then the K teacher entries and the label are
                        gathered -> the [c, 6] statistics the chunk loop all-gathers across TP ranks,
                        and z_S [c, K] (the raw logits at the teacher entries, fp32).
+``row_terms_kernel``   the per-row math between the two passes, for a block of rows at once: the
+                       TP combine of the gathered statistics, the KD / CE losses (written straight
+                       into the per-token buffers) and the gradient's per-row coefficients. One
+                       launch where the torch functions take ~25 small ones per chunk.
 ``logit_grad_kernel``  one read and one write of the row: G = α·exp((z - m)/τ) + β·exp(z - m) in
                        place, in the block's dtype, ready for the two backward GEMMs; then the
                        teacher entries and the label are rewritten with their complete gradient.
@@ -15,11 +19,14 @@ the same memory) and is touched by two kernels, one program per row:
 All arithmetic is fp32. The sparse entries are *rewritten* (not added to), from z_S saved by the
 first kernel: the dense loop has overwritten the logits by then, and rewriting lets duplicate ids
 in a row and a label that is also a teacher id produce identical stores (no read-modify-write race).
-Everything per row that is not a pass over the vocabulary (teacher terms, the TP combine, losses,
-coefficients) stays in ``topk_kl_torch`` and is shared by both paths.
+The teacher terms (once per call) stay in ``topk_kl_torch``, shared by both paths; the combine,
+losses and coefficients there (``combine_row_stats``, ``row_losses``, ``grad_coefficients``) are the
+plain-torch form of ``row_terms_kernel``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -118,6 +125,84 @@ def row_stats_kernel(
         tl.store(out + I_LABEL, 0.0)
 
 
+# Rows per program of row_terms_kernel (it is a few hundred bytes per row: launch-bound, not tuned).
+ROW_TERMS_BLOCK = 256
+FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny
+
+
+@triton.jit
+def row_terms_kernel(
+    stats_ptr, rows, rank,  # [TP, rows, NUM_STATS] every rank's local statistics of the chunk
+    const_ptr, lse_coef_ptr, mass_ptr, rho_ptr, label_owned_ptr,  # [rows] teacher terms, ρ, label owner
+    kd_ptr, ce_ptr,  # out [rows]: L before kd_weight·τ², and the CE term
+    alpha_ptr, beta_ptr, sparse_scale_ptr, ghost_ptr, label_sparse_ptr,  # out [rows]: see RowTerms
+    kd_grad_weight, ce_weight, inv_tau,  # kd_weight·τ, ce_weight, 1/τ
+    TP: tl.constexpr, NUM_STATS: tl.constexpr,
+    I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
+    I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr,
+    GHOST: tl.constexpr, HAS_LABELS: tl.constexpr, NEED_GRAD: tl.constexpr,
+    CE_GRAD: tl.constexpr, SEPARATE_BETA: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    """combine_row_stats + row_losses + grad_coefficients of topk_kl_torch, for BLOCK_R rows."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < rows
+    row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for t in tl.static_range(TP):
+        row_max = tl.maximum(row_max, tl.load(stats_ptr + (t * rows + r) * NUM_STATS + I_MAX, mask=rmask, other=0.0))
+    sum_t = tl.zeros([BLOCK_R], tl.float32)
+    teacher_sum = tl.zeros([BLOCK_R], tl.float32)
+    target_dot = tl.zeros([BLOCK_R], tl.float32)
+    sum_1 = tl.zeros([BLOCK_R], tl.float32)
+    label_logit = tl.zeros([BLOCK_R], tl.float32)
+    w_rank_t = tl.zeros([BLOCK_R], tl.float32)
+    w_rank_1 = tl.zeros([BLOCK_R], tl.float32)
+    for t in tl.static_range(TP):
+        base = stats_ptr + (t * rows + r) * NUM_STATS
+        rank_max = tl.load(base + I_MAX, mask=rmask, other=0.0)
+        w_t = tl.exp((rank_max - row_max) * inv_tau)  # this rank's sums rescaled to the global max
+        sum_t += tl.load(base + I_SUM_T, mask=rmask, other=1.0) * w_t
+        teacher_sum += tl.load(base + I_TSUM, mask=rmask, other=0.0) * w_t
+        target_dot += tl.load(base + I_TDOT, mask=rmask, other=0.0)
+        w_rank_t = tl.where(rank == t, w_t, w_rank_t)
+        if HAS_LABELS:
+            w_1 = tl.exp(rank_max - row_max)
+            sum_1 += tl.load(base + I_SUM_1, mask=rmask, other=1.0) * w_1
+            label_logit += tl.load(base + I_LABEL, mask=rmask, other=0.0)
+            w_rank_1 = tl.where(rank == t, w_1, w_rank_1)
+    student_mass = teacher_sum / sum_t  # Q
+    scale_t = w_rank_t / sum_t
+
+    const = tl.load(const_ptr + r, mask=rmask, other=0.0)
+    lse_coef = tl.load(lse_coef_ptr + r, mask=rmask, other=0.0)
+    kd = const + lse_coef * (row_max * inv_tau + tl.log(sum_t)) - target_dot * inv_tau
+    if GHOST:
+        tail_mass = tl.maximum(1.0 - tl.load(mass_ptr + r, mask=rmask, other=0.0), 0.0)
+        one_minus_q = tl.maximum(1.0 - student_mass, FP32_TINY)
+        kd -= tail_mass * tl.log(one_minus_q)
+    tl.store(kd_ptr + r, kd, mask=rmask)
+    if HAS_LABELS:
+        tl.store(ce_ptr + r, row_max + tl.log(sum_1) - label_logit, mask=rmask)
+    if NEED_GRAD:
+        kd_scale = kd_grad_weight * tl.load(rho_ptr + r, mask=rmask, other=0.0)
+        if GHOST:
+            mass = tl.load(mass_ptr + r, mask=rmask, other=0.0)
+            ghost_ratio = tail_mass / one_minus_q
+            alpha = kd_scale * (mass - ghost_ratio * student_mass) * scale_t
+            tl.store(ghost_ptr + r, kd_scale * ghost_ratio * scale_t, mask=rmask)
+        else:
+            alpha = kd_scale * lse_coef * scale_t
+        if CE_GRAD:
+            ce_scale = ce_weight * tl.load(rho_ptr + r, mask=rmask, other=0.0)
+            scale_1 = w_rank_1 / sum_1
+            if SEPARATE_BETA:
+                tl.store(beta_ptr + r, ce_scale * scale_1, mask=rmask)
+            else:
+                alpha += ce_scale * scale_1
+            tl.store(label_sparse_ptr + r, -ce_scale * tl.load(label_owned_ptr + r, mask=rmask, other=0.0), mask=rmask)
+        tl.store(alpha_ptr + r, alpha, mask=rmask)
+        tl.store(sparse_scale_ptr + r, -kd_scale, mask=rmask)
+
+
 @triton.jit
 def _dense_grad(z, m, alpha, beta, scale_t, HAS_BETA: tl.constexpr):
     g = alpha * tl.exp2((z - m) * scale_t)
@@ -130,12 +215,12 @@ def _dense_grad(z, m, alpha, beta, scale_t, HAS_BETA: tl.constexpr):
 def logit_grad_kernel(
     z_ptr, z_stride,  # in: logits, out: dLoss/dz, same memory
     stats_ptr, zs_ptr,  # [c, NUM_STATS] local stats and [c, K] z_S from row_stats_kernel
-    alpha_ptr, beta_ptr,  # [c]
-    idx_ptr, owned_ptr, sparse_ptr,  # [c, K]
+    alpha_ptr, beta_ptr, sparse_scale_ptr, ghost_ptr,  # [c] from row_terms_kernel
+    idx_ptr, count_ptr, target_col_ptr,  # [c, K] from teacher_columns
     label_idx_ptr, label_owned_ptr, label_sparse_ptr,  # [c]
     K, scale_t,
     V: tl.constexpr, NUM_STATS: tl.constexpr, I_MAX: tl.constexpr, I_LABEL: tl.constexpr,
-    HAS_BETA: tl.constexpr, HAS_LABELS: tl.constexpr,
+    HAS_BETA: tl.constexpr, GHOST: tl.constexpr, HAS_LABELS: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -157,20 +242,27 @@ def logit_grad_kernel(
     k = tl.arange(0, BLOCK_K)
     kmask = k < K
     idx = tl.load(idx_ptr + row * K + k, mask=kmask, other=-1)
-    owned = tl.load(owned_ptr + row * K + k, mask=kmask, other=0.0) != 0
-    sparse = tl.load(sparse_ptr + row * K + k, mask=kmask, other=0.0)
+    count = tl.load(count_ptr + row * K + k, mask=kmask, other=0.0)  # owned entries at this column
+    owned = count != 0
     z_s = tl.load(zs_ptr + row * K + k, mask=kmask, other=0.0)
-    # Total sparse term at each entry's column, summed over duplicates of that column.
-    same = (idx[:, None] == idx[None, :]) & owned[None, :]
-    g_s = _dense_grad(z_s, m, alpha, beta, scale_t, HAS_BETA) + tl.sum(tl.where(same, sparse[None, :], 0.0), axis=1)
+    # Every entry writes the complete gradient of its column: the dense term, then the sparse terms
+    # of all entries at that column (duplicate ids in a row are summed beforehand, teacher_columns):
+    # -kd_scale·ΣB_v, plus the ghost tail's r·q_v once per entry (q_v from the local max).
+    sparse = tl.load(sparse_scale_ptr + row) * tl.load(target_col_ptr + row * K + k, mask=kmask, other=0.0)
+    if GHOST:
+        q_local = tl.exp2((tl.where(owned, z_s, m) - m) * scale_t)
+        sparse += tl.where(owned, tl.load(ghost_ptr + row) * count * q_local, 0.0)
+    g_s = _dense_grad(z_s, m, alpha, beta, scale_t, HAS_BETA) + sparse
     if HAS_LABELS:
         label_idx = tl.load(label_idx_ptr + row)
         label_owned = tl.load(label_owned_ptr + row) != 0
         label_sparse = tl.load(label_sparse_ptr + row)
-        g_s += tl.where(idx == label_idx, label_sparse, 0.0)
+        at_label = owned & (idx == label_idx)
+        g_s += tl.where(at_label, label_sparse, 0.0)
         z_label = tl.load(stats_ptr + row * NUM_STATS + I_LABEL)
-        g_label = (_dense_grad(z_label, m, alpha, beta, scale_t, HAS_BETA) + label_sparse
-                   + tl.sum(tl.where(owned & (idx == label_idx), sparse, 0.0), axis=0))
+        # the teacher's term at the label's column, once (each of its `count` entries holds all of it)
+        teacher_at_label = tl.sum(tl.where(at_label, sparse / tl.maximum(count, 1.0), 0.0), axis=0)
+        g_label = _dense_grad(z_label, m, alpha, beta, scale_t, HAS_BETA) + label_sparse + teacher_at_label
         tl.store(z_row + label_idx, g_label.to(z_ptr.dtype.element_ty), mask=label_owned)
     tl.store(z_row + idx, g_s.to(z_ptr.dtype.element_ty), mask=kmask & owned)
 
@@ -204,33 +296,123 @@ def local_row_stats(
     return stats, z_s
 
 
+@dataclass
+class TeacherColumns:
+    """Per cached entry, over the owned entries of its row at the same vocabulary column: the sum of
+    their targets B_v and their count (0 where the entry is not owned). A genuine top-K has no
+    duplicate ids, but the cache format allows them; summed here once per call, the gradient kernel
+    needs no K x K comparison per row (measured: 6% of its time at K = 100)."""
+
+    target: torch.Tensor  # [T, K]
+    count: torch.Tensor  # [T, K]
+
+    def rows(self, start: int, end: int) -> "TeacherColumns":
+        return TeacherColumns(self.target[start:end], self.count[start:end])
+
+
+def teacher_columns(teacher: chunk_math.ChunkTeacher) -> TeacherColumns:
+    rows, k = teacher.local_idx.shape
+    # Entries that are not owned get distinct negative keys: they match nothing, not even each other.
+    key = torch.where(teacher.owned != 0, teacher.local_idx, -1 - torch.arange(k, device=teacher.owned.device))
+    sorted_key, order = key.sort(dim=1)
+    starts = torch.ones_like(sorted_key, dtype=torch.bool)
+    starts[:, 1:] = sorted_key[:, 1:] != sorted_key[:, :-1]
+    segment = starts.cumsum(1) - 1  # run of equal keys, per row
+
+    def per_entry(values: torch.Tensor) -> torch.Tensor:
+        in_order = values.gather(1, order)
+        run_sums = torch.zeros_like(in_order).scatter_add_(1, segment, in_order).gather(1, segment)
+        return torch.empty_like(values).scatter_(1, order, run_sums)
+
+    return TeacherColumns(target=per_entry(teacher.target_owned), count=per_entry(teacher.owned))
+
+
+@dataclass
+class RowTerms:
+    """Per-row coefficients of dLoss/dz on this rank's block (the GradCoefs of topk_kl_torch with
+    the [c, K] sparse term left as sparse_scale·B_v + ghost·exp((z_v - m_r)/τ), formed in the kernel)."""
+
+    alpha: torch.Tensor  # [c]
+    beta: torch.Tensor | None  # [c], CE softmax at τ != 1
+    sparse_scale: torch.Tensor  # [c] -kd_weight·τ·ρ
+    ghost: torch.Tensor | None  # [c] kd_weight·τ·ρ·r·scale_t (ghost tail)
+    label_sparse: torch.Tensor | None  # [c] -ce_weight·ρ where this rank owns the label
+
+
+def row_terms(
+    all_stats: torch.Tensor,
+    rank: int,
+    teacher: chunk_math.ChunkTeacher,
+    rho: torch.Tensor,
+    label_owned: torch.Tensor | None,
+    kd_out: torch.Tensor,
+    ce_out: torch.Tensor | None,
+    *,
+    kd_weight: float,
+    ce_weight: float,
+    temperature: float,
+    tail: str,
+    need_grad: bool,
+) -> RowTerms | None:
+    """[tp, c, NUM_ROW_STATS] from every rank -> per-token KD (and CE) into ``kd_out`` (``ce_out``),
+    and the gradient's per-row terms when ``need_grad``."""
+    tp, rows, _ = all_stats.shape
+    has_labels = ce_out is not None
+    ce_grad = has_labels and ce_weight != 0
+    separate_beta = ce_grad and temperature != 1.0
+    ghost = tail == "ghost"
+    new = lambda: torch.empty(rows, dtype=torch.float32, device=all_stats.device)  # noqa: E731
+    alpha = new() if need_grad else kd_out
+    beta = new() if need_grad and separate_beta else None
+    sparse_scale = new() if need_grad else kd_out
+    ghost_c = new() if need_grad and ghost else None
+    label_sparse = new() if need_grad and ce_grad else None
+    unused = kd_out  # pointer for outputs a variant never touches
+    row_terms_kernel[(triton.cdiv(rows, ROW_TERMS_BLOCK),)](
+        all_stats.contiguous(), rows, rank,
+        teacher.const, teacher.lse_coef, teacher.mass, rho, label_owned if has_labels else unused,
+        kd_out, ce_out if has_labels else unused,
+        alpha, beta if beta is not None else unused, sparse_scale,
+        ghost_c if ghost_c is not None else unused, label_sparse if label_sparse is not None else unused,
+        kd_weight * temperature, ce_weight, 1.0 / temperature,
+        TP=tp, NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
+        I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
+        GHOST=ghost, HAS_LABELS=has_labels, NEED_GRAD=need_grad, CE_GRAD=ce_grad, SEPARATE_BETA=separate_beta,
+        BLOCK_R=ROW_TERMS_BLOCK,
+    )
+    if not need_grad:
+        return None
+    return RowTerms(alpha=alpha, beta=beta, sparse_scale=sparse_scale, ghost=ghost_c, label_sparse=label_sparse)
+
+
 def logit_grad_(
     block: torch.Tensor,
     local_stats: torch.Tensor,
     z_s: torch.Tensor,
-    coefs: chunk_math.GradCoefs,
+    terms: RowTerms,
     teacher: chunk_math.ChunkTeacher,
+    columns: "TeacherColumns",
     label_idx: torch.Tensor | None,
     label_owned: torch.Tensor | None,
     temperature: float,
 ) -> torch.Tensor:
-    """Overwrite the logits ``block`` with dLoss/dz (see ``topk_kl_torch.GradCoefs``) and return it."""
+    """Overwrite the logits ``block`` with dLoss/dz (see ``RowTerms``) and return it."""
     rows, vocab_local = block.shape
     k = teacher.local_idx.shape[1]
-    has_labels = coefs.label_sparse is not None
-    f32 = lambda t: t.to(torch.float32).contiguous()  # noqa: E731 (the [c]-sized coefficients)
-    alpha = f32(coefs.alpha)
+    has_labels = terms.label_sparse is not None
+    alpha = terms.alpha
     block_v, warps = _launch_config(vocab_local, "grad")
     logit_grad_kernel[(rows,)](
         block, block.stride(0),
         local_stats, z_s,
-        alpha, f32(coefs.beta) if coefs.beta is not None else alpha,
-        teacher.local_idx, teacher.owned, f32(coefs.sparse),
+        alpha, terms.beta if terms.beta is not None else alpha, terms.sparse_scale,
+        terms.ghost if terms.ghost is not None else alpha,
+        teacher.local_idx, columns.count, columns.target,
         label_idx if has_labels else alpha, label_owned if has_labels else alpha,
-        f32(coefs.label_sparse) if has_labels else alpha,
+        terms.label_sparse if has_labels else alpha,
         k, LOG2E.value / temperature, V=vocab_local,
         NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_LABEL=ROW_LABEL_LOGIT,
-        HAS_BETA=coefs.beta is not None, HAS_LABELS=has_labels,
+        HAS_BETA=terms.beta is not None, GHOST=terms.ghost is not None, HAS_LABELS=has_labels,
         BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
     )
     return block

@@ -77,12 +77,13 @@ def test_bf16_matches_float64_reference(seed, tail, temperature, ce_weight):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_label_among_teacher_ids_and_duplicate_ids(seed, impl):
-    """A label that is also a teacher id, and a teacher id listed twice, get every term once per
-    occurrence (the Triton kernel rewrites those columns instead of adding to them)."""
+    """A label that is also a teacher id, a teacher id listed twice, and both at once get every term
+    once per occurrence (the Triton kernel rewrites those columns instead of adding to them)."""
     _skip_unless_cpu_triton(impl)
     x = make_inputs(s=16, b=2, h=16, vocab=61, k=6)
     x.labels[:8] = x.topk_ids[:8, :, 0].clamp_min(0)
     x.topk_ids[4:12, :, 1] = x.topk_ids[4:12, :, 2]
+    x.topk_ids[6:10, :, 3] = x.topk_ids[6:10, :, 0]  # rows 6-7: the label's column listed twice
     kw = dict(labels=x.labels, ce_weight=0.5, temperature=1.5, tail="ghost")
     ref = loss_and_grads(topk_kl_reference, x, **kw)
     fused = loss_and_grads(fused_topk_kl, x, hidden=x.hidden.float(), weight=x.weight.float(),

@@ -7,7 +7,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_kd.ops.topk_kl_triton import logit_grad_kernel, row_stats_kernel
+from megatron_kd.ops.topk_kl_triton import ROW_TERMS_BLOCK, logit_grad_kernel, row_stats_kernel, row_terms_kernel
 from megatron_kd.ops.topk_triton import topk_candidates_kernel
 
 GPT_OSS_VOCAB = 201_088
@@ -38,9 +38,21 @@ def main():
     )
     compile_sm90(
         logit_grad_kernel,
-        {"z_ptr": "*bf16", "z_stride": "i64", "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "sparse_ptr": "*fp32",
-         "label_sparse_ptr": "*fp32", **rows},
-        {**stats, "HAS_BETA": True, "HAS_LABELS": True}, num_warps=4,
+        {"z_ptr": "*bf16", "z_stride": "i64", "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "sparse_scale_ptr": "*fp32",
+         "ghost_ptr": "*fp32", "count_ptr": "*fp32", "target_col_ptr": "*fp32", "label_sparse_ptr": "*fp32",
+         **{name: t for name, t in rows.items() if name != "owned_ptr"}},
+        {**stats, "HAS_BETA": True, "GHOST": True, "HAS_LABELS": True}, num_warps=4,
+    )
+    row_vectors = ("const", "lse_coef", "mass", "rho", "label_owned", "kd", "ce", "alpha", "beta", "sparse_scale",
+                   "ghost", "label_sparse")
+    compile_sm90(
+        row_terms_kernel,
+        {"stats_ptr": "*fp32", "rows": "i32", "rank": "i32", **{f"{n}_ptr": "*fp32" for n in row_vectors},
+         "kd_grad_weight": "fp32", "ce_weight": "fp32", "inv_tau": "fp32"},
+        {"TP": 2, "NUM_STATS": 6, "I_MAX": 0, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "I_LABEL": 5,
+         "GHOST": True, "HAS_LABELS": True, "NEED_GRAD": True, "CE_GRAD": True, "SEPARATE_BETA": True,
+         "BLOCK_R": ROW_TERMS_BLOCK},
+        num_warps=4,
     )
 
 
