@@ -414,13 +414,12 @@ def kernel_sweep(shape: str, chunk: int, configs: str):
         topk_kl_triton._launch_config = lambda v, kernel, bv=block_v, w=warps: (bv, w)
         topk_kl_triton.STATS_GROUP = group[0] if group else topk_kl_triton.STATS_GROUP
         local, z_s = topk_kl_triton.local_row_stats(block, teacher, None, None, 1.0)
-        columns = topk_kl_triton.teacher_columns(teacher)
         terms = topk_kl_triton.row_terms(
             local.unsqueeze(0), 0, teacher, torch.ones(chunk, device=dev), None, torch.empty(chunk, device=dev), None,
             kd_weight=1.0, ce_weight=0.0, temperature=1.0, tail="none", need_grad=True)
         t_stats = cuda_median_ms(lambda: topk_kl_triton.local_row_stats(block, teacher, None, None, 1.0), reps=10)
         t_grad = cuda_median_ms(
-            lambda: topk_kl_triton.logit_grad_(block, local, z_s, terms, teacher, columns, None, None, 1.0), reps=10)
+            lambda: topk_kl_triton.logit_grad_(block, local, z_s, terms, teacher, None, None, 1.0), reps=10)
         print(f"kernels {shape} chunk {chunk} BLOCK_V {block_v:5d} warps {warps:2d} "
               f"group {topk_kl_triton.STATS_GROUP}: row_stats {t_stats:6.3f} ms "
               f"({nbytes / t_stats / 1e6:5.0f} GB/s), logit_grad {t_grad:6.3f} ms ({2 * nbytes / t_grad / 1e6:5.0f} GB/s)")

@@ -177,7 +177,6 @@ def topk_kl_forward(
     teacher_all = chunk_math.teacher_terms(
         ids2d, lps2d, tail=opts.tail, temperature=tau, vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc,
     )
-    columns_all = topk_kl_triton.teacher_columns(teacher_all) if use_triton else None
     label_idx_all = label_owned_all = None
     if has_labels:
         label_idx_all, label_owned_all = chunk_math.local_labels(
@@ -222,9 +221,7 @@ def topk_kl_forward(
                 need_grad=need_grad,
             )
             if need_grad:
-                g = topk_kl_triton.logit_grad_(
-                    block, local, z_s, terms, teacher, columns_all.rows(start, end), label_idx, label_owned, tau
-                )
+                g = topk_kl_triton.logit_grad_(block, local, z_s, terms, teacher, label_idx, label_owned, tau)
         else:
             local, z_s = chunk_math.local_row_stats_(block, teacher, label_idx, label_owned, tau)
             rs = chunk_math.combine_row_stats(all_gather_stack(local, group), rank, tau, has_labels)

@@ -216,7 +216,7 @@ def logit_grad_kernel(
     z_ptr, z_stride,  # in: logits, out: dLoss/dz, same memory
     stats_ptr, zs_ptr,  # [c, NUM_STATS] local stats and [c, K] z_S from row_stats_kernel
     alpha_ptr, beta_ptr, sparse_scale_ptr, ghost_ptr,  # [c] from row_terms_kernel
-    idx_ptr, count_ptr, target_col_ptr,  # [c, K] from teacher_columns
+    idx_ptr, owned_ptr, target_ptr,  # [c, K]
     label_idx_ptr, label_owned_ptr, label_sparse_ptr,  # [c]
     K, scale_t,
     V: tl.constexpr, NUM_STATS: tl.constexpr, I_MAX: tl.constexpr, I_LABEL: tl.constexpr,
@@ -242,27 +242,27 @@ def logit_grad_kernel(
     k = tl.arange(0, BLOCK_K)
     kmask = k < K
     idx = tl.load(idx_ptr + row * K + k, mask=kmask, other=-1)
-    count = tl.load(count_ptr + row * K + k, mask=kmask, other=0.0)  # owned entries at this column
-    owned = count != 0
+    owned = tl.load(owned_ptr + row * K + k, mask=kmask, other=0.0) != 0
     z_s = tl.load(zs_ptr + row * K + k, mask=kmask, other=0.0)
-    # Every entry writes the complete gradient of its column: the dense term, then the sparse terms
-    # of all entries at that column (duplicate ids in a row are summed beforehand, teacher_columns):
-    # -kd_scale·ΣB_v, plus the ghost tail's r·q_v once per entry (q_v from the local max).
-    sparse = tl.load(sparse_scale_ptr + row) * tl.load(target_col_ptr + row * K + k, mask=kmask, other=0.0)
+    # The teacher entries' own term: -kd_scale·B_v (+ the ghost tail's r·q_v, q_v from the local max).
+    sparse = tl.load(sparse_scale_ptr + row) * tl.load(target_ptr + row * K + k, mask=kmask, other=0.0)
     if GHOST:
         q_local = tl.exp2((tl.where(owned, z_s, m) - m) * scale_t)
-        sparse += tl.where(owned, tl.load(ghost_ptr + row) * count * q_local, 0.0)
-    g_s = _dense_grad(z_s, m, alpha, beta, scale_t, HAS_BETA) + sparse
+        sparse += tl.where(owned, tl.load(ghost_ptr + row) * q_local, 0.0)
+    # Total sparse term at each entry's column, summed over duplicates of that column. (A genuine
+    # top-K has none, but the cache format allows them. This K x K comparison costs ~6% of the
+    # kernel at K = 100; summing duplicates once per call instead measured no cheaper: a per-row
+    # sort of [T, K] took 0.4 ms, the same comparison as its own pass 1.5 ms per 32K tokens.)
+    same = (idx[:, None] == idx[None, :]) & owned[None, :]
+    g_s = _dense_grad(z_s, m, alpha, beta, scale_t, HAS_BETA) + tl.sum(tl.where(same, sparse[None, :], 0.0), axis=1)
     if HAS_LABELS:
         label_idx = tl.load(label_idx_ptr + row)
         label_owned = tl.load(label_owned_ptr + row) != 0
         label_sparse = tl.load(label_sparse_ptr + row)
-        at_label = owned & (idx == label_idx)
-        g_s += tl.where(at_label, label_sparse, 0.0)
+        g_s += tl.where(idx == label_idx, label_sparse, 0.0)
         z_label = tl.load(stats_ptr + row * NUM_STATS + I_LABEL)
-        # the teacher's term at the label's column, once (each of its `count` entries holds all of it)
-        teacher_at_label = tl.sum(tl.where(at_label, sparse / tl.maximum(count, 1.0), 0.0), axis=0)
-        g_label = _dense_grad(z_label, m, alpha, beta, scale_t, HAS_BETA) + label_sparse + teacher_at_label
+        g_label = (_dense_grad(z_label, m, alpha, beta, scale_t, HAS_BETA) + label_sparse
+                   + tl.sum(tl.where(owned & (idx == label_idx), sparse, 0.0), axis=0))
         tl.store(z_row + label_idx, g_label.to(z_ptr.dtype.element_ty), mask=label_owned)
     tl.store(z_row + idx, g_s.to(z_ptr.dtype.element_ty), mask=kmask & owned)
 
@@ -294,37 +294,6 @@ def local_row_stats(
         num_warps=warps,
     )
     return stats, z_s
-
-
-@dataclass
-class TeacherColumns:
-    """Per cached entry, over the owned entries of its row at the same vocabulary column: the sum of
-    their targets B_v and their count (0 where the entry is not owned). A genuine top-K has no
-    duplicate ids, but the cache format allows them; summed here once per call, the gradient kernel
-    needs no K x K comparison per row (measured: 6% of its time at K = 100)."""
-
-    target: torch.Tensor  # [T, K]
-    count: torch.Tensor  # [T, K]
-
-    def rows(self, start: int, end: int) -> "TeacherColumns":
-        return TeacherColumns(self.target[start:end], self.count[start:end])
-
-
-def teacher_columns(teacher: chunk_math.ChunkTeacher) -> TeacherColumns:
-    rows, k = teacher.local_idx.shape
-    # Entries that are not owned get distinct negative keys: they match nothing, not even each other.
-    key = torch.where(teacher.owned != 0, teacher.local_idx, -1 - torch.arange(k, device=teacher.owned.device))
-    sorted_key, order = key.sort(dim=1)
-    starts = torch.ones_like(sorted_key, dtype=torch.bool)
-    starts[:, 1:] = sorted_key[:, 1:] != sorted_key[:, :-1]
-    segment = starts.cumsum(1) - 1  # run of equal keys, per row
-
-    def per_entry(values: torch.Tensor) -> torch.Tensor:
-        in_order = values.gather(1, order)
-        run_sums = torch.zeros_like(in_order).scatter_add_(1, segment, in_order).gather(1, segment)
-        return torch.empty_like(values).scatter_(1, order, run_sums)
-
-    return TeacherColumns(target=per_entry(teacher.target_owned), count=per_entry(teacher.owned))
 
 
 @dataclass
@@ -391,7 +360,6 @@ def logit_grad_(
     z_s: torch.Tensor,
     terms: RowTerms,
     teacher: chunk_math.ChunkTeacher,
-    columns: "TeacherColumns",
     label_idx: torch.Tensor | None,
     label_owned: torch.Tensor | None,
     temperature: float,
@@ -407,7 +375,7 @@ def logit_grad_(
         local_stats, z_s,
         alpha, terms.beta if terms.beta is not None else alpha, terms.sparse_scale,
         terms.ghost if terms.ghost is not None else alpha,
-        teacher.local_idx, columns.count, columns.target,
+        teacher.local_idx, teacher.owned, teacher.target_owned,
         label_idx if has_labels else alpha, label_owned if has_labels else alpha,
         terms.label_sparse if has_labels else alpha,
         k, LOG2E.value / temperature, V=vocab_local,

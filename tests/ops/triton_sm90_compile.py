@@ -39,8 +39,7 @@ def main():
     compile_sm90(
         logit_grad_kernel,
         {"z_ptr": "*bf16", "z_stride": "i64", "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "sparse_scale_ptr": "*fp32",
-         "ghost_ptr": "*fp32", "count_ptr": "*fp32", "target_col_ptr": "*fp32", "label_sparse_ptr": "*fp32",
-         **{name: t for name, t in rows.items() if name != "owned_ptr"}},
+         "ghost_ptr": "*fp32", "target_ptr": "*fp32", "label_sparse_ptr": "*fp32", **rows},
         {**stats, "HAS_BETA": True, "GHOST": True, "HAS_LABELS": True}, num_warps=4,
     )
     row_vectors = ("const", "lse_coef", "mass", "rho", "label_owned", "kd", "ce", "alpha", "beta", "sparse_scale",
