@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -11,11 +13,15 @@ SEQ, K, PADDED_VOCAB = 24, 6, 264  # Megatron pads the 258-token byte vocabulary
 
 
 def make_dataset(tmp, num_samples=10, seed=0):
-    """A GPTDataset over random byte documents (index caches built here, read by workers)."""
+    """A GPTDataset over random byte documents. The first call (the test's own process) writes the
+    documents and builds the index caches; workers' calls only read them: a worker rewriting docs.bin
+    while another rank has it memory-mapped kills that rank with SIGBUS."""
     rng = np.random.default_rng(seed)
     tok = ByteTokenizer()
-    docs = [list(rng.integers(0, 256, rng.integers(20, 80))) + [tok.eod] for _ in range(60)]
-    prefix = write_indexed_dataset(f"{tmp}/data/docs", docs, tok.vocab_size)
+    prefix = Path(f"{tmp}/data/docs")
+    if not Path(f"{prefix}.idx").exists():
+        docs = [list(rng.integers(0, 256, rng.integers(20, 80))) + [tok.eod] for _ in range(60)]
+        write_indexed_dataset(prefix, docs, tok.vocab_size)
     train, _, _ = build_gpt_datasets([str(prefix)], split="100,0,0", seq_length=SEQ, seed=seed, tokenizer=tok,
                                      num_samples=(num_samples, 0, 0), cache_dir=f"{tmp}/data/cache")
     return train
