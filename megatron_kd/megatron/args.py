@@ -66,8 +66,9 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "for caches built with --kd-cache-mode sampled), 'none' ignores it, 'ghost' keeps it "
                             "as one extra outcome (a true KL over K+1 outcomes).")
     group.add_argument("--kd-chunk-size", type=int, default=None,
-                       help="Tokens per chunk of the fused loss (default: chosen from the vocabulary shard and "
-                            "free memory).")
+                       help="Tokens per chunk of the fused loss (default: a logits block the size of one bf16 "
+                            "weight gradient). Longer chunks are faster and cost memory: the weight gradient is "
+                            "accumulated once per chunk.")
     group.add_argument("--kd-impl", choices=KD_IMPLS, default="fused",
                        help="'fused': the chunked loss from hidden states; 'dense': the materializing baseline "
                             "(full logits), for comparisons.")
