@@ -1,0 +1,153 @@
+"""The loss's weight-gradient GEMM, main_grad += Gᵀ · h in fp32: cuBLAS against a Triton GEMM that
+starts its accumulator from main_grad.
+
+Why: at GPT-OSS 32K the fused loss runs 12 of these per step (G: one chunk's [c, V] bf16 logit
+gradient, h: its [c, 2880] hidden states, main_grad: Megatron's fp32 [V, 2880] buffer). cuBLAS
+(beta = 1) takes 4.79 ms each where its bf16 GEMM of the same work takes ~3.96: the read and write of
+the 2.3 GB fp32 accumulator are not hidden behind the math (benchmarks/RESULTS.md, session 6). A
+kernel whose tiles start from main_grad instead of zeros pays that traffic inside the main loop.
+This script measures whether such a Triton kernel beats cuBLAS on these shapes before the loss
+uses it.
+
+    python benchmarks/bench_gradw.py                       # GPT-OSS chunk, all configs
+    python benchmarks/bench_gradw.py --rows 2752 --vocab 100544
+    python benchmarks/bench_gradw.py --check               # correctness only, tiny shapes (CPU with TRITON_INTERPRET=1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@triton.jit
+def gemm_tn_accumulate_kernel(
+    a_ptr, b_ptr, c_ptr,  # A [K, M] bf16 (row-major), B [K, N] bf16, C [M, N] fp32: C += Aᵀ·B
+    M, N,
+    stride_ak, stride_bk, stride_cm,
+    K: tl.constexpr,  # rows of the chunk: a known trip count (two compiles per run: full and last chunk)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    C_FIRST: tl.constexpr,  # start the accumulator from C (else add C after the main loop)
+):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    # Tiles in groups of GROUP_M rows, so neighbouring programs share their B tiles in L2.
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if C_FIRST:
+        acc = tl.load(c_ptrs, mask=c_mask, other=0.0)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    a_ptrs = a_ptr + offs_k[:, None].to(tl.int64) * stride_ak + offs_m[None, :]  # [BLOCK_K, BLOCK_M]
+    b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_n[None, :]  # [BLOCK_K, BLOCK_N]
+    for k0 in range(0, K, BLOCK_K):
+        k_left = K - k0
+        a = tl.load(a_ptrs, mask=(offs_k[:, None] < k_left) & (offs_m[None, :] < M), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if not C_FIRST:
+        acc += tl.load(c_ptrs, mask=c_mask, other=0.0)
+    tl.store(c_ptrs, acc, mask=c_mask)
+
+
+def gemm_tn_accumulate_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, block_m=128, block_n=256, block_k=64,
+                        group_m=8, c_first=True, num_warps=8, num_stages=3) -> torch.Tensor:
+    """c += aᵀ · b for a [K, M], b [K, N] (bf16 or fp16, row-major) and c [M, N] fp32 (row-major)."""
+    k, m = a.shape
+    n = b.shape[1]
+    assert b.shape[0] == k and c.shape == (m, n) and c.dtype == torch.float32
+    assert a.stride(1) == 1 and b.stride(1) == 1 and c.stride(1) == 1
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    gemm_tn_accumulate_kernel[grid](
+        a, b, c, m, n, a.stride(0), b.stride(0), c.stride(0), K=k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, C_FIRST=c_first,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return c
+
+
+def check(device: str, rows=70, vocab=300, hidden=48, tol=1e-5) -> None:
+    """Against a float64 reference, with ragged tiles in every dimension. bf16 operands on CUDA; fp16
+    in Triton's interpreter on CPU (numpy has no bf16)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    a = torch.randn(rows, vocab, device=device, generator=g).to(dtype)
+    b = torch.randn(rows, hidden, device=device, generator=g).to(dtype)
+    c0 = torch.randn(vocab, hidden, device=device, generator=g)
+    want = c0.double() + a.double().t() @ b.double()
+    for c_first in (True, False):
+        got = gemm_tn_accumulate_(c0.clone(), a, b, block_m=32, block_n=32, block_k=16, group_m=2, c_first=c_first,
+                                  num_warps=4, num_stages=2)
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err <= tol, (c_first, err)
+        print(f"check c_first={c_first}: relative error {err:.2e}")
+
+
+def bench(rows: int, vocab: int, hidden: int, reps: int) -> None:
+    from cuda_timing import cuda_median_ms
+
+    dev = "cuda"
+    a = (torch.randn(rows, vocab, device=dev) * 1e-3).bfloat16()
+    b = torch.randn(rows, hidden, device=dev).bfloat16()
+    c = torch.zeros(vocab, hidden, device=dev)
+    flop = 2 * rows * vocab * hidden
+
+    def report(name, ms):
+        print(f"{name:58s} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s", flush=True)
+
+    report("cuBLAS bf16 out (beta = 0, no accumulator)", cuda_median_ms(lambda: a.t() @ b, reps=reps))
+    report("cuBLAS into fp32 main_grad (beta = 1)",
+           cuda_median_ms(lambda: torch.addmm(c, a.t(), b, out_dtype=torch.float32, out=c), reps=reps))
+    # correctness at the real shape, against cuBLAS
+    want = torch.addmm(torch.zeros_like(c), a.t(), b, out_dtype=torch.float32)
+    got = gemm_tn_accumulate_(torch.zeros_like(c), a, b)
+    err = ((got - want).norm() / want.norm()).item()
+    print(f"triton vs cuBLAS at this shape: relative difference {err:.2e}")
+    configs = itertools.product([(128, 256, 64), (256, 128, 64), (128, 128, 64), (128, 256, 32)], [3, 4], [8], [True, False])
+    for (bm, bn, bk), stages, warps, c_first in configs:
+        name = f"triton {bm}x{bn}x{bk} stages {stages} warps {warps} {'C first' if c_first else 'C last'}"
+        try:
+            ms = cuda_median_ms(lambda: gemm_tn_accumulate_(c, a, b, block_m=bm, block_n=bn, block_k=bk, c_first=c_first,
+                                                            num_warps=warps, num_stages=stages), reps=reps)
+        except Exception as e:  # e.g. out of shared memory for this config
+            print(f"{name:58s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            continue
+        report(name, ms)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=2752, help="tokens per chunk (K of the GEMM)")
+    p.add_argument("--vocab", type=int, default=201088, help="vocabulary rows on this rank")
+    p.add_argument("--hidden", type=int, default=2880)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--check", action="store_true", help="correctness only, at tiny shapes")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check(device)
+    if not args.check:
+        bench(args.rows, args.vocab, args.hidden, args.reps)
+
+
+if __name__ == "__main__":
+    main()
