@@ -176,23 +176,24 @@ def row_terms_kernel(
     lse_coef = tl.load(lse_coef_ptr + r, mask=rmask, other=0.0)
     kd = const + lse_coef * (row_max * inv_tau + tl.log(sum_t)) - target_dot * inv_tau
     if GHOST:
-        tail_mass = tl.maximum(1.0 - tl.load(mass_ptr + r, mask=rmask, other=0.0), 0.0)
+        mass = tl.load(mass_ptr + r, mask=rmask, other=0.0)
+        tail_mass = tl.maximum(1.0 - mass, 0.0)
         one_minus_q = tl.maximum(1.0 - student_mass, FP32_TINY)
         kd -= tail_mass * tl.log(one_minus_q)
     tl.store(kd_ptr + r, kd, mask=rmask)
     if HAS_LABELS:
         tl.store(ce_ptr + r, row_max + tl.log(sum_1) - label_logit, mask=rmask)
     if NEED_GRAD:
-        kd_scale = kd_grad_weight * tl.load(rho_ptr + r, mask=rmask, other=0.0)
+        rho = tl.load(rho_ptr + r, mask=rmask, other=0.0)
+        kd_scale = kd_grad_weight * rho
         if GHOST:
-            mass = tl.load(mass_ptr + r, mask=rmask, other=0.0)
             ghost_ratio = tail_mass / one_minus_q
             alpha = kd_scale * (mass - ghost_ratio * student_mass) * scale_t
             tl.store(ghost_ptr + r, kd_scale * ghost_ratio * scale_t, mask=rmask)
         else:
             alpha = kd_scale * lse_coef * scale_t
         if CE_GRAD:
-            ce_scale = ce_weight * tl.load(rho_ptr + r, mask=rmask, other=0.0)
+            ce_scale = ce_weight * rho
             scale_1 = w_rank_1 / sum_1
             if SEPARATE_BETA:
                 tl.store(beta_ptr + r, ce_scale * scale_1, mask=rmask)
@@ -330,19 +331,18 @@ def row_terms(
     ce_grad = has_labels and ce_weight != 0
     separate_beta = ce_grad and temperature != 1.0
     ghost = tail == "ghost"
-    new = lambda: torch.empty(rows, dtype=torch.float32, device=all_stats.device)  # noqa: E731
-    alpha = new() if need_grad else kd_out
-    beta = new() if need_grad and separate_beta else None
-    sparse_scale = new() if need_grad else kd_out
-    ghost_c = new() if need_grad and ghost else None
-    label_sparse = new() if need_grad and ce_grad else None
-    unused = kd_out  # pointer for outputs a variant never touches
+
+    def grad_out(wanted: bool) -> torch.Tensor | None:
+        return torch.empty(rows, dtype=torch.float32, device=all_stats.device) if need_grad and wanted else None
+
+    alpha, sparse_scale = grad_out(True), grad_out(True)
+    beta, ghost_c, label_sparse = grad_out(separate_beta), grad_out(ghost), grad_out(ce_grad)
+    ptr = lambda t: kd_out if t is None else t  # noqa: E731 (a pointer for what this variant never touches)
     row_terms_kernel[(triton.cdiv(rows, ROW_TERMS_BLOCK),)](
         all_stats.contiguous(), rows, rank,
-        teacher.const, teacher.lse_coef, teacher.mass, rho, label_owned if has_labels else unused,
-        kd_out, ce_out if has_labels else unused,
-        alpha, beta if beta is not None else unused, sparse_scale,
-        ghost_c if ghost_c is not None else unused, label_sparse if label_sparse is not None else unused,
+        teacher.const, teacher.lse_coef, teacher.mass, rho, ptr(label_owned if has_labels else None),
+        kd_out, ptr(ce_out),
+        ptr(alpha), ptr(beta), ptr(sparse_scale), ptr(ghost_c), ptr(label_sparse),
         kd_weight * temperature, ce_weight, 1.0 / temperature,
         TP=tp, NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
         I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
