@@ -86,7 +86,92 @@ def gemm_tn_accumulate_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, bl
     return c
 
 
-def check(device: str, rows=70, vocab=300, hidden=48, tol=1e-5) -> None:
+@triton.jit
+def gemm_tn_accumulate_tma_kernel(
+    a_desc, b_desc, c_desc, c_ptr,  # A [K, M], B [K, N] (TMA descriptors), C [M, N] fp32: C += Aᵀ·B
+    M, N, stride_cm,
+    K: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    C_MODE: tl.constexpr,  # "tma": tile starts from C (TMA load/store); "prefetch": next tile's C loaded during this tile's loop
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Persistent: one program per SM walks tiles pid, pid + NUM_PROGRAMS, ... (a constexpr trip count, so Triton's
+    interpreter runs it too; a tile past the end is clipped by TMA and masked for C)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = tiles_m * tiles_n
+    per_group = GROUP_M * tiles_n
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    c_next = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if C_MODE == "prefetch":  # the first tile's accumulator
+        first_m = (pid // per_group) * GROUP_M
+        group_rows = tl.maximum(tl.minimum(tiles_m - first_m, GROUP_M), 1)  # >= 1 past the last tile
+        om = (first_m + (pid % per_group) % group_rows) * BLOCK_M
+        on = ((pid % per_group) // group_rows) * BLOCK_N
+        mask = ((om + rows)[:, None] < M) & ((on + cols)[None, :] < N) & (pid < num_tiles)
+        c_next = tl.load(c_ptr + (om + rows)[:, None].to(tl.int64) * stride_cm + (on + cols)[None, :], mask=mask, other=0.0)
+    for i in range(TILES_PER_PROGRAM):
+        tile = pid + i * NUM_PROGRAMS
+        first_m = (tile // per_group) * GROUP_M
+        group_rows = tl.maximum(tl.minimum(tiles_m - first_m, GROUP_M), 1)  # >= 1 past the last tile
+        om = (first_m + (tile % per_group) % group_rows) * BLOCK_M
+        on = ((tile % per_group) // group_rows) * BLOCK_N
+        mask = ((om + rows)[:, None] < M) & ((on + cols)[None, :] < N) & (tile < num_tiles)
+        c_ptrs = c_ptr + (om + rows)[:, None].to(tl.int64) * stride_cm + (on + cols)[None, :]
+        if C_MODE == "tma":
+            acc = c_desc.load([om, on])
+        else:
+            c_this = c_next
+            nxt = tile + NUM_PROGRAMS
+            n_first_m = (nxt // per_group) * GROUP_M
+            n_group_rows = tl.maximum(tl.minimum(tiles_m - n_first_m, GROUP_M), 1)
+            n_om = (n_first_m + (nxt % per_group) % n_group_rows) * BLOCK_M
+            n_on = ((nxt % per_group) // n_group_rows) * BLOCK_N
+            n_mask = ((n_om + rows)[:, None] < M) & ((n_on + cols)[None, :] < N) & (nxt < num_tiles)
+            c_next = tl.load(c_ptr + (n_om + rows)[:, None].to(tl.int64) * stride_cm + (n_on + cols)[None, :],
+                             mask=n_mask, other=0.0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+            a = a_desc.load([k0, om])  # [BLOCK_K, BLOCK_M]
+            b = b_desc.load([k0, on])  # [BLOCK_K, BLOCK_N]
+            acc = tl.dot(a.T, b, acc)
+        if C_MODE == "tma":
+            c_desc.store([om, on], acc)
+        else:
+            tl.store(c_ptrs, acc + c_this, mask=mask)
+
+
+def num_sms(device) -> int:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 3  # Triton's interpreter: a few programs, so the persistent walk is exercised
+
+
+def gemm_tn_accumulate_tma_(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, block_m=128, block_n=128, block_k=64,
+                            group_m=8, c_mode="prefetch", warp_specialize=False, num_warps=8,
+                            num_stages=4) -> torch.Tensor:
+    """c += aᵀ · b like ``gemm_tn_accumulate_``, persistent, with TMA loads of A and B. Row strides must be
+    16-byte multiples (TMA)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    k, m = a.shape
+    n = b.shape[1]
+    assert b.shape[0] == k and c.shape == (m, n) and c.dtype == torch.float32
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    programs = min(tiles, num_sms(c.device))
+    gemm_tn_accumulate_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(a, [block_k, block_m]), TensorDescriptor.from_tensor(b, [block_k, block_n]),
+        TensorDescriptor.from_tensor(c, [block_m, block_n]), c, m, n, c.stride(0),
+        K=k, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), NUM_PROGRAMS=programs,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, C_MODE=c_mode,
+        WARP_SPECIALIZE=warp_specialize, num_warps=num_warps, num_stages=num_stages,
+    )
+    return c
+
+
+def check(device: str, rows=70, vocab=312, hidden=48, tol=1e-5) -> None:
     """Against a float64 reference, with ragged tiles in every dimension. bf16 operands on CUDA; fp16
     in Triton's interpreter on CPU (numpy has no bf16)."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -95,15 +180,19 @@ def check(device: str, rows=70, vocab=300, hidden=48, tol=1e-5) -> None:
     b = torch.randn(rows, hidden, device=device, generator=g).to(dtype)
     c0 = torch.randn(vocab, hidden, device=device, generator=g)
     want = c0.double() + a.double().t() @ b.double()
-    for c_first in (True, False):
-        got = gemm_tn_accumulate_(c0.clone(), a, b, block_m=32, block_n=32, block_k=16, group_m=2, c_first=c_first,
-                                  num_warps=4, num_stages=2)
+    small = dict(block_m=32, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=2)
+    cases = [(f"pointer c_first={c_first}", lambda c, f=c_first: gemm_tn_accumulate_(c, a, b, c_first=f, **small))
+             for c_first in (True, False)]
+    cases += [(f"tma c_mode={mode}", lambda c, m=mode: gemm_tn_accumulate_tma_(c, a, b, c_mode=m, **small))
+              for mode in ("tma", "prefetch")]
+    for name, run in cases:
+        got = run(c0.clone())
         err = ((got.double() - want).norm() / want.norm()).item()
-        assert err <= tol, (c_first, err)
-        print(f"check c_first={c_first}: relative error {err:.2e}")
+        assert err <= tol, (name, err)
+        print(f"check {name}: relative error {err:.2e}")
 
 
-def bench(rows: int, vocab: int, hidden: int, reps: int) -> None:
+def bench(rows: int, vocab: int, hidden: int, reps: int, which: str) -> None:
     from cuda_timing import cuda_median_ms
 
     dev = "cuda"
@@ -113,26 +202,35 @@ def bench(rows: int, vocab: int, hidden: int, reps: int) -> None:
     flop = 2 * rows * vocab * hidden
 
     def report(name, ms):
-        print(f"{name:58s} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s", flush=True)
+        print(f"{name:64s} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s", flush=True)
+
+    def attempt(name, fn):
+        try:
+            report(name, cuda_median_ms(fn, reps=reps))
+        except Exception as e:  # e.g. out of shared memory for this config
+            print(f"{name:64s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}", flush=True)
 
     report("cuBLAS bf16 out (beta = 0, no accumulator)", cuda_median_ms(lambda: a.t() @ b, reps=reps))
     report("cuBLAS into fp32 main_grad (beta = 1)",
            cuda_median_ms(lambda: torch.addmm(c, a.t(), b, out_dtype=torch.float32, out=c), reps=reps))
-    # correctness at the real shape, against cuBLAS
     want = torch.addmm(torch.zeros_like(c), a.t(), b, out_dtype=torch.float32)
-    got = gemm_tn_accumulate_(torch.zeros_like(c), a, b)
-    err = ((got - want).norm() / want.norm()).item()
-    print(f"triton vs cuBLAS at this shape: relative difference {err:.2e}")
-    configs = itertools.product([(128, 256, 64), (256, 128, 64), (128, 128, 64), (128, 256, 32)], [3, 4], [8], [True, False])
-    for (bm, bn, bk), stages, warps, c_first in configs:
-        name = f"triton {bm}x{bn}x{bk} stages {stages} warps {warps} {'C first' if c_first else 'C last'}"
-        try:
-            ms = cuda_median_ms(lambda: gemm_tn_accumulate_(c, a, b, block_m=bm, block_n=bn, block_k=bk, c_first=c_first,
-                                                            num_warps=warps, num_stages=stages), reps=reps)
-        except Exception as e:  # e.g. out of shared memory for this config
-            print(f"{name:58s} failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
-            continue
-        report(name, ms)
+    for name, run in (("pointer", gemm_tn_accumulate_), ("tma", gemm_tn_accumulate_tma_)):
+        if which in (name, "all"):
+            err = ((run(torch.zeros_like(c), a, b) - want).norm() / want.norm()).item()
+            print(f"triton {name} vs cuBLAS at this shape: relative difference {err:.2e}")
+    if which in ("pointer", "all"):
+        configs = itertools.product([(128, 256, 64), (256, 128, 64), (128, 128, 64)], [3, 4], [True, False])
+        for (bm, bn, bk), stages, c_first in configs:
+            attempt(f"triton pointer {bm}x{bn}x{bk} stages {stages} {'C first' if c_first else 'C last'}",
+                    lambda: gemm_tn_accumulate_(c, a, b, block_m=bm, block_n=bn, block_k=bk, c_first=c_first,
+                                                num_warps=8, num_stages=stages))
+    if which in ("tma", "all"):
+        configs = itertools.product([(128, 128, 64), (256, 128, 64), (128, 256, 64), (128, 128, 128)], [3, 4],
+                                    ["prefetch", "tma"], [False, True])
+        for (bm, bn, bk), stages, mode, ws in configs:
+            attempt(f"triton tma {bm}x{bn}x{bk} stages {stages} C {mode}{' warp-spec' if ws else ''}",
+                    lambda: gemm_tn_accumulate_tma_(c, a, b, block_m=bm, block_n=bn, block_k=bk, c_mode=mode,
+                                                    warp_specialize=ws, num_warps=8, num_stages=stages))
 
 
 def main():
@@ -142,11 +240,12 @@ def main():
     p.add_argument("--hidden", type=int, default=2880)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--check", action="store_true", help="correctness only, at tiny shapes")
+    p.add_argument("--kernels", choices=["pointer", "tma", "all"], default="all", help="which Triton GEMMs to time")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     check(device)
     if not args.check:
-        bench(args.rows, args.vocab, args.hidden, args.reps)
+        bench(args.rows, args.vocab, args.hidden, args.reps, args.kernels)
 
 
 if __name__ == "__main__":

@@ -40,16 +40,26 @@ _MiB = 1 << 20
 # gradients while a chunk stays large enough (>= a few hundred rows at V = 201K) for full-rate GEMMs.
 _CUDA_BLOCK_BYTES = 256 * _MiB
 # Triton path: the block (in the GEMM dtype, no copy) may be as large as one weight gradient in that
-# dtype, at least 256 MiB. The weight-gradient GEMM read-modify-writes the fp32 accumulator (or
-# main_grad) once per chunk, so longer chunks pay; and the backward already holds a gradient-sized
-# tensor at once (the bf16 grad, or Megatron's dummy wgrad), so the peak barely moves. Measured on
-# an H200 at T = 32K, h = 2880, V = 201,088: 1280-token chunks 207 ms, 2048 194 ms, 3072 187 ms.
+# dtype plus _TRITON_BLOCK_ALLOWANCE, less what the call holds besides it. Why: the weight-gradient
+# GEMM read-modify-writes the fp32 accumulator (main_grad) once per chunk, so fewer, longer chunks
+# are faster; and the backward holds a weight-sized gradient tensor anyway (the bf16 gradient, or
+# the stand-in Megatron's DDP protocol asks for), which the block, freed before it, costs no extra
+# peak. So the op stays within the allowance above its inputs, gradients and that tensor. Measured
+# on an H200 at T = 32K, h = 2880, V = 201,088 (benchmarks/RESULTS.md): 1280-token chunks 207 ms,
+# 2048 194 ms, 2752 (12 chunks) 185-187 ms, 4096 (8) 182.9 ms, 8192 (4) 178.0 ms.
 _CUDA_TRITON_MIN_BLOCK_BYTES = 256 * _MiB
+_TRITON_BLOCK_ALLOWANCE = 512 * _MiB
+# What the call holds besides the block, per teacher entry ([T, K] ids, masks and targets, and the
+# teacher terms' temporaries) and per token (losses, weights, labels).
+_HELD_BYTES_PER_ENTRY = 40
+_HELD_BYTES_PER_TOKEN = 64
 _CPU_BLOCK_BYTES = 32 * _MiB
 
 
-def _triton_block_budget(weight: torch.Tensor) -> int:
-    return max(_CUDA_TRITON_MIN_BLOCK_BYTES, weight.numel() * weight.element_size())
+def _triton_block_budget(weight: torch.Tensor, num_tokens: int, k: int) -> int:
+    gradient = weight.numel() * weight.element_size()
+    held = num_tokens * (k * _HELD_BYTES_PER_ENTRY + _HELD_BYTES_PER_TOKEN)
+    return max(_CUDA_TRITON_MIN_BLOCK_BYTES, gradient + _TRITON_BLOCK_ALLOWANCE - held)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -166,14 +176,20 @@ def topk_kl_forward(
     chunk = opts.chunk_size or auto_chunk_size(
         num_tokens, vocab_local, device=hidden.device, block_dtype=block_dtype, gemm_dtype=gemm_dtype,
         extra_block=has_labels and tau != 1.0 and not use_triton,
-        budget_bytes=_triton_block_budget(weight) if use_triton else None,
+        budget_bytes=_triton_block_budget(weight, num_tokens, ids2d.shape[1]) if use_triton else None,
     )
     # CPU with bf16/fp16 inputs: one upcast copy of the shard (no mixed-precision GEMMs there).
     w_gemm = weight if gemm_dtype == weight.dtype else weight.to(acc)
+    block_buf = first_block = None
+    if use_triton:  # reused by every chunk: logits in, gradient out
+        block_buf = torch.empty(min(chunk, num_tokens), vocab_local, dtype=block_dtype, device=hidden.device)
+        # The first chunk's logits are queued before the per-call work below, so the GPU computes
+        # them while the host launches that.
+        first_block = torch.mm(h2d[: len(block_buf)], w_gemm.t(), out=block_buf)
 
     # Teacher terms and label columns once for all tokens ([T, K]: the size of the cache inputs),
     # per-token losses into [T] buffers summed after the loop: per chunk, only the work that needs
-    # its logits is launched. (Before the big buffers: its temporaries do not add to the peak.)
+    # its logits is launched. (_triton_block_budget counts them and their temporaries.)
     teacher_all = chunk_math.teacher_terms(
         ids2d, lps2d, tail=opts.tail, temperature=tau, vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc,
     )
@@ -192,16 +208,13 @@ def topk_kl_forward(
             grad_w_acc = weight.main_grad
         else:
             grad_w_acc = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-    block_buf = None
-    if use_triton:  # reused by every chunk: logits in, gradient out
-        block_buf = torch.empty(min(chunk, num_tokens), vocab_local, dtype=block_dtype, device=hidden.device)
 
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         h_c = h2d[start:end]
         h_c_gemm = h_c if gemm_dtype == h_c.dtype else h_c.to(acc)
         if use_triton:
-            block = torch.mm(h_c_gemm, w_gemm.t(), out=block_buf[: end - start])
+            block = first_block if start == 0 else torch.mm(h_c_gemm, w_gemm.t(), out=block_buf[: end - start])
         else:
             block = chunk_logits(h_c_gemm, w_gemm, acc)
         if start == 0:  # the GPU has work queued while we wait; nothing has been written yet
