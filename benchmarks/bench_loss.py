@@ -396,7 +396,9 @@ def check(chunk_size=None, tol=1e-4):
 
 
 def kernel_sweep(shape: str, chunk: int, configs: str):
-    """Time the two Triton kernels of one chunk for (BLOCK_V, num_warps) configs; HBM GB/s."""
+    """Time the two per-row Triton passes of one chunk for (BLOCK_V, num_warps) configs; HBM GB/s.
+    Each timed call starts from a copy of its input block (the passes work in place); the copy's own
+    time is measured alone and subtracted."""
     import torch
 
     from megatron_kd.ops import topk_kl_torch as chunk_math
@@ -405,24 +407,38 @@ def kernel_sweep(shape: str, chunk: int, configs: str):
     tokens, hidden, vocab = SHAPES[shape]
     dev = torch.device("cuda")
     _, _, ids, lps = _inputs(chunk, 8, vocab, dev)
-    block = (torch.randn(chunk, vocab, device=dev) * 3).bfloat16()
+    logits = (torch.randn(chunk, vocab, device=dev) * 3).bfloat16()
+    block = logits.clone()
     teacher = chunk_math.teacher_terms(ids, lps, tail="none", temperature=1.0, vocab_start=0,
                                        vocab_local=vocab, dtype=torch.float32)
     nbytes = block.numel() * block.element_size()
+    t_copy = cuda_median_ms(lambda: block.copy_(logits), reps=10)
     for cfg in configs.split(","):
-        block_v, warps, *group = map(int, cfg.split("x"))
-        topk_kl_triton._launch_config = lambda v, kernel, bv=block_v, w=warps: (bv, w)
-        topk_kl_triton.STATS_GROUP = group[0] if group else topk_kl_triton.STATS_GROUP
-        local, z_s = topk_kl_triton.local_row_stats(block, teacher, None, None, 1.0)
+        block_v, warps = map(int, cfg.split("x"))
+        topk_kl_triton._launch_config = lambda v, bv=block_v, w=warps: (bv, w)
+
+        def exp_pass():
+            block.copy_(logits)
+            return topk_kl_triton.exp_row_stats_(block, teacher, None, None, 1.0, write=True)
+
+        t_exp = cuda_median_ms(exp_pass, reps=10) - t_copy
+        local, z_s, refs = exp_pass()
+        exps = block.clone()
         terms = topk_kl_triton.row_terms(
             local.unsqueeze(0), 0, teacher, torch.ones(chunk, device=dev), None, torch.empty(chunk, device=dev), None,
             kd_weight=1.0, ce_weight=0.0, temperature=1.0, tail="none", need_grad=True)
-        t_stats = cuda_median_ms(lambda: topk_kl_triton.local_row_stats(block, teacher, None, None, 1.0), reps=10)
-        t_grad = cuda_median_ms(
-            lambda: topk_kl_triton.logit_grad_(block, local, z_s, terms, teacher, None, None, 1.0), reps=10)
-        print(f"kernels {shape} chunk {chunk} BLOCK_V {block_v:5d} warps {warps:2d} "
-              f"group {topk_kl_triton.STATS_GROUP}: row_stats {t_stats:6.3f} ms "
-              f"({nbytes / t_stats / 1e6:5.0f} GB/s), logit_grad {t_grad:6.3f} ms ({2 * nbytes / t_grad / 1e6:5.0f} GB/s)")
+
+        def fixup():
+            block.copy_(exps)
+            topk_kl_triton.grad_fixup_(block, local, z_s, refs, terms, teacher, None, None, 1.0)
+
+        t_fix = {}
+        for fixup_warps in (1, 2, 4, 8):
+            topk_kl_triton.FIXUP_NUM_WARPS = fixup_warps
+            t_fix[fixup_warps] = cuda_median_ms(fixup, reps=10) - t_copy
+        print(f"kernels {shape} chunk {chunk} BLOCK_V {block_v:5d} warps {warps:2d}: exp_stats {t_exp:6.3f} ms "
+              f"({2 * nbytes / t_exp / 1e6:5.0f} GB/s read + write), grad_fixup ms by warps: "
+              + ", ".join(f"{w}: {t:.3f}" for w, t in t_fix.items()))
 
 
 def main():
@@ -434,7 +450,7 @@ def main():
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel processes, one GPU each (ours-* methods)")
     p.add_argument("--check", action="store_true", help="correctness of the KL methods on a tiny problem")
     p.add_argument("--profile", action="store_true", help="print CUDA time per kernel for one step of each row")
-    p.add_argument("--kernel-sweep", metavar="BLOCKxWARPS[xGROUP],...", default=None,
+    p.add_argument("--kernel-sweep", metavar="BLOCKxWARPS,...", default=None,
                    help="time the Triton kernels alone on one [chunk-size x V] block of each shape, per config")
     p.add_argument("--out", type=Path, default=None, help="CSV file for the results")
     p.add_argument("--one", nargs=2, metavar=("METHOD", "SHAPE"), help=argparse.SUPPRESS)

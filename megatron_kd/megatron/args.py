@@ -67,8 +67,9 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "as one extra outcome (a true KL over K+1 outcomes).")
     group.add_argument("--kd-chunk-size", type=int, default=None,
                        help="Tokens per chunk of the fused loss (default: a logits block the size of one bf16 "
-                            "weight gradient). Longer chunks are faster and cost memory: the weight gradient is "
-                            "accumulated once per chunk.")
+                            "weight gradient plus 0.5 GiB, less the loss's own buffers; 3,648 tokens at GPT-OSS "
+                            "32K). Longer chunks are faster and cost memory: the weight gradient is accumulated "
+                            "once per chunk.")
     group.add_argument("--kd-impl", choices=KD_IMPLS, default="fused",
                        help="'fused': the chunked loss from hidden states; 'dense': the materializing baseline "
                             "(full logits), for comparisons.")

@@ -21,8 +21,8 @@ Per GPU, in GiB (the most loaded rank):
                ``--recompute-granularity full`` only each layer's input, plus one layer in flight.
                Sinks, windows and the cuDNN/flex kernels keep O(s) statistics only
   dispatch     the all-to-all send and receive buffers of routed tokens (EP > 1)
-  loss         ``fused``: one chunk block (at most one bf16 weight gradient) and Megatron's dummy
-               weight gradient; ``ce``: Megatron's output layer + cross-entropy (bf16 logits and
+  loss         ``fused``: one chunk block (one bf16 weight gradient + 0.5 GiB, less the op's own
+               buffers) and Megatron's dummy weight gradient; ``ce``: Megatron's output layer + cross-entropy (bf16 logits and
                their fp32 copy, [s, V/TP]); ``dense``: materialized KD: bf16 logits and four fp32
                [s, V/TP] tensors at its peak (copy, log-softmax, probabilities, logit gradient)
   kd batch     the teacher's ids (int32) and log-probs (fp32), [s, K] per micro-batch
@@ -46,6 +46,8 @@ import itertools
 import math
 import re
 from dataclasses import dataclass, field
+
+from megatron_kd.ops.topk_kl_function import triton_block_budget
 
 GIB = 2**30
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -181,9 +183,10 @@ def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: i
     if a.num_experts and layout.ep > 1:
         plan.gpu_bytes["dispatch"] = 2 * 2 * tokens * a.moe_router_topk * a.hidden_size
     vocab_local = a.padded_vocab_size / layout.tp
-    if loss == "fused":  # the chunk block is as large as one bf16 weight gradient (256 MiB at least)
-        block = min(max(2 * vocab_local * a.hidden_size, 256 * 2**20), 2 * tokens * vocab_local)
-        plan.gpu_bytes["loss"] = block + 2 * vocab_local * a.hidden_size
+    if loss == "fused":  # the chunk block and its row buffers (the op's own budget), and the dummy wgrad
+        wgrad = 2 * vocab_local * a.hidden_size
+        block = min(triton_block_budget(int(wgrad), tokens, kd_topk), tokens * (2 * vocab_local + 4 * a.hidden_size))
+        plan.gpu_bytes["loss"] = block + wgrad
     elif loss == "ce":
         plan.gpu_bytes["loss"] = tokens * vocab_local * (2 + 4)
     else:  # dense KD: bf16 logits and four fp32 [s, V/TP] tensors at its peak

@@ -4,18 +4,19 @@ Once per call: the teacher terms of all T tokens ([T, K], as big as the cached i
 and the labels' shard columns. Per chunk of c tokens (three GEMMs in all, the floor):
 
     z   = h_c · W_localᵀ                      GEMM 1                      [c, V_local]
-    local row stats                            row_stats (torch or Triton)
+    local row stats                            torch: local_row_stats_; Triton: exp_row_stats_
+                                               (which also turns z into E = exp((z - r)/τ) in place)
     all-gather [c, 6] across the TP group      one small collective
     combine, losses, gradient coefficients     torch ops, or one Triton kernel (row_terms)
-    z -> G = dLoss/dz in place                 logit_grad_
-    grad_h[c]  = G · W_local                   GEMM 2
-    grad_W    += Gᵀ · h_c                      GEMM 3, fp32 accumulation
+    -> G = dLoss/dz in place                   torch: logit_grad_; Triton: grad_fixup_ (G = σ·X)
+    grad_h[c]  = G · W_local                   GEMM 2 (Triton: σ scales the product's rows)
+    grad_W    += Gᵀ · h_c                      GEMM 3, fp32 accumulation (Triton: of Xᵀ·(σ·h_c))
 Per-token losses land in [T] buffers, summed once after the loop.
 
 impl "torch": the block is fp32 (fp64 for fp64 inputs) and plain torch ops walk it; on CUDA with
 bf16/fp16 inputs G is cast to a low-precision copy for GEMMs 2-3.
-impl "triton" (CUDA): the block is in the input dtype, three kernels per chunk (topk_kl_triton.py)
-and it is handed to GEMMs 2-3 as it is. Only one block is alive at a time.
+impl "triton" (CUDA): the block is in the input dtype, read and written once per chunk
+(topk_kl_triton.py), and handed to GEMMs 2-3 as it is. Only one block is alive at a time.
 Gradients are complete when forward returns; backward multiplies them by the incoming gradient.
 Under TP, grad_h is a partial sum over vocabulary shards: all-reduced at the end, or
 reduce-scattered back to the sequence shard under sequence parallelism.
@@ -49,15 +50,17 @@ _CUDA_BLOCK_BYTES = 256 * _MiB
 # 2048 194 ms, 2752 (12 chunks) 185-187 ms, 4096 (8) 182.9 ms, 8192 (4) 178.0 ms.
 _CUDA_TRITON_MIN_BLOCK_BYTES = 256 * _MiB
 _TRITON_BLOCK_ALLOWANCE = 512 * _MiB
-# What the call holds besides the block, per teacher entry ([T, K] ids, masks and targets, and the
-# teacher terms' temporaries) and per token (losses, weights, labels).
-_HELD_BYTES_PER_ENTRY = 40
+# What the call holds besides the block and its per-row buffers: per teacher entry ([T, K] ids,
+# masks and targets, and the teacher terms' temporaries) and per token (losses, weights, labels).
+# Measured on an H200 at T = 32K, K = 100: 90 MB besides the block, 27 bytes per entry.
+_HELD_BYTES_PER_ENTRY = 28
 _HELD_BYTES_PER_TOKEN = 64
 _CPU_BLOCK_BYTES = 32 * _MiB
 
 
-def _triton_block_budget(weight: torch.Tensor, num_tokens: int, k: int) -> int:
-    gradient = weight.numel() * weight.element_size()
+def triton_block_budget(gradient: int, num_tokens: int, k: int) -> int:
+    """Bytes for the CUDA (Triton) path's block and per-row buffers, given the bytes of one weight
+    gradient in the weight's dtype (also ``megatron-kd plan``'s model of the loss)."""
     held = num_tokens * (k * _HELD_BYTES_PER_ENTRY + _HELD_BYTES_PER_TOKEN)
     return max(_CUDA_TRITON_MIN_BLOCK_BYTES, gradient + _TRITON_BLOCK_ALLOWANCE - held)
 
@@ -75,15 +78,18 @@ def auto_chunk_size(
     gemm_dtype: torch.dtype,
     extra_block: bool,
     budget_bytes: int | None = None,
+    row_extra_bytes: int = 0,
 ) -> int:
     """Tokens per chunk such that the chunk's [c, V_local] buffers fit the block budget.
 
     Per row: the fp32 (fp64) logits/gradient block, its copy in the GEMM dtype when that differs,
-    and one more block when temperature != 1 with labels (softmax at τ and at 1 both needed).
+    one more block when temperature != 1 with labels (softmax at τ and at 1 both needed), and
+    ``row_extra_bytes``.
     """
     row_bytes = vocab_local * block_dtype.itemsize * (2 if extra_block else 1)
     if gemm_dtype != block_dtype:
         row_bytes += vocab_local * gemm_dtype.itemsize
+    row_bytes += row_extra_bytes
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = min(budget_bytes or _CUDA_BLOCK_BYTES, free // 8)
@@ -117,6 +123,13 @@ def chunk_logits(h_chunk: torch.Tensor, w_gemm: torch.Tensor, acc: torch.dtype) 
     if h_chunk.dtype != acc:
         return torch.mm(h_chunk, w_gemm.t(), out_dtype=acc)
     return h_chunk @ w_gemm.t()
+
+
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = a @ b, where out may be fp32 with low-precision operands (one mixed GEMM on CUDA)."""
+    if a.dtype != out.dtype:
+        return torch.mm(a, b, out_dtype=out.dtype, out=out)
+    return torch.mm(a, b, out=out)
 
 
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -176,7 +189,10 @@ def topk_kl_forward(
     chunk = opts.chunk_size or auto_chunk_size(
         num_tokens, vocab_local, device=hidden.device, block_dtype=block_dtype, gemm_dtype=gemm_dtype,
         extra_block=has_labels and tau != 1.0 and not use_triton,
-        budget_bytes=_triton_block_budget(weight, num_tokens, ids2d.shape[1]) if use_triton else None,
+        budget_bytes=triton_block_budget(weight.numel() * weight.element_size(), num_tokens, ids2d.shape[1])
+        if use_triton else None,
+        # Triton: a chunk's fp32 grad_h (then its σ-scaled h), and its per-row statistics
+        row_extra_bytes=h2d.shape[1] * acc.itemsize + 4 * ids2d.shape[1] if use_triton else 0,
     )
     # CPU with bf16/fp16 inputs: one upcast copy of the shard (no mixed-precision GEMMs there).
     w_gemm = weight if gemm_dtype == weight.dtype else weight.to(acc)
@@ -189,7 +205,7 @@ def topk_kl_forward(
 
     # Teacher terms and label columns once for all tokens ([T, K]: the size of the cache inputs),
     # per-token losses into [T] buffers summed after the loop: per chunk, only the work that needs
-    # its logits is launched. (_triton_block_budget counts them and their temporaries.)
+    # its logits is launched. (triton_block_budget counts them and their temporaries.)
     teacher_all = chunk_math.teacher_terms(
         ids2d, lps2d, tail=opts.tail, temperature=tau, vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc,
     )
@@ -209,6 +225,10 @@ def topk_kl_forward(
         else:
             grad_w_acc = torch.zeros(weight.shape, dtype=acc, device=weight.device)
 
+    row_buf = None
+    if use_triton and need_grad:  # per chunk: grad_h's fp32 product, then σ·h_c for GEMM 3 (grad_fixup_'s σ)
+        row_buf = torch.empty(len(block_buf), h2d.shape[1], dtype=acc, device=hidden.device)
+
     for start in range(0, num_tokens, chunk):
         end = min(start + chunk, num_tokens)
         h_c = h2d[start:end]
@@ -225,8 +245,10 @@ def topk_kl_forward(
         label_idx = label_owned = None
         if has_labels:
             label_idx, label_owned = label_idx_all[start:end], label_owned_all[start:end]
+        row_scale = None  # G = row_scale[:, None]·g where the Triton path leaves a row scale
         if use_triton:
-            local, z_s = topk_kl_triton.local_row_stats(block, teacher, label_idx, label_owned, tau)
+            local, z_s, refs = topk_kl_triton.exp_row_stats_(block, teacher, label_idx, label_owned, tau,
+                                                            write=need_grad)
             terms = topk_kl_triton.row_terms(
                 all_gather_stack(local, group), rank, teacher, rho, label_owned,
                 kd_rows[start:end], ce_rows[start:end] if has_labels else None,
@@ -234,7 +256,9 @@ def topk_kl_forward(
                 need_grad=need_grad,
             )
             if need_grad:
-                g = topk_kl_triton.logit_grad_(block, local, z_s, terms, teacher, label_idx, label_owned, tau)
+                g, row_scale = topk_kl_triton.grad_fixup_(
+                    block, local, z_s, refs, terms, teacher, label_idx, label_owned, tau
+                )
         else:
             local, z_s = chunk_math.local_row_stats_(block, teacher, label_idx, label_owned, tau)
             rs = chunk_math.combine_row_stats(all_gather_stack(local, group), rank, tau, has_labels)
@@ -250,16 +274,23 @@ def topk_kl_forward(
                 g = g.to(gemm_dtype)  # no copy unless mixed-precision GEMMs follow
 
         if need_grad:
+            rows = end - start
             if need_grad_hidden:
-                if g.dtype == grad_h2d.dtype:
+                if row_scale is not None:  # fp32 product, scaled and cast into place
+                    topk_kl_triton.scale_rows(_mm_into(g, w_gemm, row_buf[:rows]), row_scale, grad_h2d[start:end])
+                elif g.dtype == grad_h2d.dtype:
                     torch.mm(g, w_gemm, out=grad_h2d[start:end])
                 else:  # CPU with bf16/fp16 inputs: GEMM in fp32, cast on store
                     grad_h2d[start:end] = g @ w_gemm
             if need_grad_weight:
+                h_w = h_c_gemm
+                if row_scale is not None:  # Gᵀ·h = Xᵀ·(σ·h)
+                    hs = row_buf.view(h_c_gemm.dtype)[:rows, : h_c.shape[1]]  # grad_h's product is used up
+                    h_w = topk_kl_triton.scale_rows(h_c_gemm, row_scale, hs)
                 if g.dtype != grad_w_acc.dtype:
-                    _addmm_fp32_(grad_w_acc, g.t(), h_c)
+                    _addmm_fp32_(grad_w_acc, g.t(), h_w)
                 else:
-                    grad_w_acc.addmm_(g.t(), h_c_gemm)
+                    grad_w_acc.addmm_(g.t(), h_w)
             del g
         del block
 

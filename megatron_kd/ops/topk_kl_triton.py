@@ -2,26 +2,35 @@
 
 The torch path (``topk_kl_torch.py``) makes ~7 passes over each [c, V_local] logits block in fp32.
 Here the block stays in the GEMM dtype (bf16 on GPUs: half the bytes, so chunks twice as long in
-the same memory) and is touched by two kernels, one program per row:
+the same memory) and is read and written once, by one program per row:
 
-``row_stats_kernel``   one read of the row: per-lane running max and sum-exp (at τ, and at 1 for
-                       the CE term when τ != 1), then the K teacher entries and the label are
-                       gathered -> the [c, 6] statistics the chunk loop all-gathers across TP ranks,
-                       and z_S [c, K] (the raw logits at the teacher entries, fp32).
-``row_terms_kernel``   the per-row math between the two passes, for a block of rows at once: the
-                       TP combine of the gathered statistics, the KD / CE losses (written straight
+``exp_stats_kernel``   gathers the K teacher entries and the label (z_S), then walks the row once:
+                       sum-exp at τ (and at 1 for the CE term when τ != 1), and the row written
+                       back as E = exp((z - r)/τ) -> the [c, 6] statistics the chunk loop
+                       all-gathers across TP ranks. r, the row's reference, is the student's
+                       largest logit among the teacher entries and the label (known before the
+                       walk), raised by a tile only if that tile's E would pass 2^REF_HEADROOM.
+``row_terms_kernel``   the per-row math between the passes, for a block of rows at once: the TP
+                       combine of the gathered statistics, the KD / CE losses (written straight
                        into the per-token buffers) and the gradient's per-row coefficients. One
                        launch where the torch functions take ~25 small ones per chunk.
-``logit_grad_kernel``  one read and one write of the row: G = α·exp((z - m)/τ) + β·exp(z - m) in
-                       place, in the block's dtype, ready for the two backward GEMMs; then the
-                       teacher entries and the label are rewritten with their complete gradient.
+``grad_fixup_kernel``  the gradient is G = α·E + (sparse terms at the teacher entries and the
+                       label), so the block becomes X with G = σ·X: σ = α and only the sparse
+                       entries are rewritten (as their G / α). The two backward GEMMs take σ as a
+                       row scale (of grad_h's rows, of h's rows for grad_W). Rows that need more
+                       are rewritten whole, a rare second pass over just those rows: a reference
+                       raised mid-row (earlier tiles rescaled), α negligible next to the sparse
+                       terms (σ = 1, X = G), and the CE softmax at τ != 1 (σ = 1, X = α·E + β·E^τ).
+``scale_rows_kernel``  σ on the rows of the chunk's grad_h (after GEMM 2, in fp32) and of its h
+                       (before GEMM 3): [c, h], small next to the block.
 
-All arithmetic is fp32. The sparse entries are *rewritten* (not added to), from z_S saved by the
-first kernel: the dense loop has overwritten the logits by then, and rewriting lets duplicate ids
+A separate statistics pass, read before the gradient pass, would read every block twice. All
+arithmetic is fp32. The sparse entries are *rewritten* (not added to): rewriting lets duplicate ids
 in a row and a label that is also a teacher id produce identical stores (no read-modify-write race).
 The teacher terms (once per call) stay in ``topk_kl_torch``, shared by both paths; the combine,
 losses and coefficients there (``combine_row_stats``, ``row_losses``, ``grad_coefficients``) are the
-plain-torch form of ``row_terms_kernel``.
+plain-torch form of ``row_terms_kernel``. ``stats[:, ROW_MAX]`` holds r here (the torch path's row
+max): the combine only needs a common reference for each rank's sums.
 """
 
 from __future__ import annotations
@@ -33,7 +42,6 @@ import triton
 import triton.language as tl
 
 from megatron_kd.ops import topk_kl_torch as chunk_math
-from megatron_kd.ops.triton_lse import LOG2E, lanes_sumexp, online_sumexp_groups
 from megatron_kd.ops.topk_kl_torch import (
     NUM_ROW_STATS,
     ROW_LABEL_LOGIT,
@@ -43,81 +51,93 @@ from megatron_kd.ops.topk_kl_torch import (
     ROW_TARGET_DOT,
     ROW_TEACHER_SUMEXP,
 )
+from megatron_kd.ops.triton_lse import LOG2E
 
 
-# Columns per lane of the statistics pass (see row_stats_kernel); bench_loss.py --kernel-sweep.
-STATS_GROUP = 4
+def _launch_config(vocab_local: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the per-row passes. Swept on an H200 (bench_loss.py --kernel-sweep,
+    bf16 blocks at V = 201,088): 4096 lanes, 4 warps for a read-write pass (8 warps ran at 2.0 TB/s
+    against 2.8)."""
+    return min(4096, triton.next_power_of_2(vocab_local)), 4
 
 
-def _launch_config(vocab_local: int, kernel: str) -> tuple[int, int]:
-    """(BLOCK_V, num_warps). Swept on an H200 (bench_loss.py --kernel-sweep, bf16 blocks of 1280 x
-    201,088 and 4096 x 65,536): 4096 lanes with 8 warps for the read-only statistics pass
-    (~2.3 TB/s), 4 warps for the read-write gradient pass (~2.8 TB/s, vs 2.0 with 8 warps)."""
-    block_v = min(4096, triton.next_power_of_2(vocab_local))
-    if kernel == "stats":
-        return block_v, 8 if block_v >= 2048 else 4
-    return block_v, 4
+# Warps of grad_fixup_kernel: its common rows touch only their K sparse entries. H200, bench_loss.py
+# --kernel-sweep, 3648 x 201,088 / 4096 x 100,544 blocks: 1 warp 0.039 / 0.035 ms, 2 0.034 / 0.056, 4 0.066 / 0.086.
+FIXUP_NUM_WARPS = 1
+
+# exp2 headroom of the values kept in the block: E <= 2^64 keeps the row sums (x V), the GEMMs' fp32
+# accumulation and the bf16 block far from overflow, and still is 44 nats: a row's reference is
+# raised only where the student puts a logit that far above every teacher entry and the label.
+REF_HEADROOM = tl.constexpr(64.0)
+# A row whose sparse terms exceed 2^40·|α| is written whole (σ = 1) rather than divided by α.
+SPARSE_RATIO = tl.constexpr(2.0**40)
 
 
 @triton.jit
-def row_stats_kernel(
-    z_ptr, z_stride,
+def exp_stats_kernel(
+    z_ptr, z_stride,  # in: logits; out (WRITE): E = exp((z - r)/τ) in place
     idx_ptr, owned_ptr, target_ptr,  # [c, K] teacher entries (local column, 1/0, B_v·owned)
     label_idx_ptr, label_owned_ptr,  # [c] (unused without labels)
-    stats_ptr, zs_ptr,  # out: [c, NUM_STATS] fp32, [c, K] fp32
-    K, scale_t,  # scale_t = log2(e)/τ
+    stats_ptr, zs_ptr, ref_ptr,  # out: [c, NUM_STATS] fp32, [c, K] fp32, [c, NUM_TILES] the r of each tile
+    K, scale_t, steep,  # scale_t = log2(e)/τ; steep: the larger of the exp2 scales summed (headroom)
     V: tl.constexpr,  # V_local: one compile per model, and a known trip count
-    NUM_STATS: tl.constexpr,
+    NUM_TILES: tl.constexpr, NUM_STATS: tl.constexpr,
     I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
     I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr,
-    HAS_LABELS: tl.constexpr, SEPARATE_SUM_1: tl.constexpr,
-    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    HAS_LABELS: tl.constexpr, SEPARATE_SUM_1: tl.constexpr, WRITE: tl.constexpr,
+    BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
-    # A tile is [BLOCK_V / GROUP lanes, GROUP consecutive columns]; each lane keeps a running max
-    # and sums, so the loop has no cross-lane reduction, and its max-rescaling exp2 is paid once per
-    # GROUP columns instead of once per column (the special-function unit, not HBM, bounded the
-    # one-column-per-lane version).
-    LANES: tl.constexpr = BLOCK_V // GROUP
-    cols = tl.arange(0, LANES)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    m = tl.full([LANES], float("-inf"), tl.float32)
-    s_t = tl.zeros([LANES], tl.float32)
-    s_1 = tl.zeros([LANES], tl.float32)
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        z = tl.load(z_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        s_t = online_sumexp_groups(s_t, m, m_new, z, scale_t)
-        if SEPARATE_SUM_1:
-            s_1 = online_sumexp_groups(s_1, m, m_new, z, LOG2E)
-        m = m_new
-    row_max = tl.max(m, axis=0)
-    sum_t = lanes_sumexp(s_t, m, row_max, scale_t)
-
+    # The teacher entries and the label first: the walk overwrites the row.
     k = tl.arange(0, BLOCK_K)
     kmask = k < K
     idx = tl.load(idx_ptr + row * K + k, mask=kmask, other=0)
     owned = tl.load(owned_ptr + row * K + k, mask=kmask, other=0.0)
     target = tl.load(target_ptr + row * K + k, mask=kmask, other=0.0)
-    z_s = tl.load(z_row + idx, mask=kmask & (owned != 0), other=0.0).to(tl.float32)
+    is_owned = kmask & (owned != 0)
+    z_s = tl.load(z_row + idx, mask=is_owned, other=0.0).to(tl.float32)
     tl.store(zs_ptr + row * K + k, z_s, mask=kmask)
+    ref = tl.max(tl.where(is_owned, z_s, float("-inf")), axis=0)
+    if HAS_LABELS:
+        label_idx = tl.load(label_idx_ptr + row)
+        label_owned = tl.load(label_owned_ptr + row)
+        z_label = tl.load(z_row + label_idx, mask=label_owned != 0, other=0.0).to(tl.float32)
+        ref = tl.maximum(ref, tl.where(label_owned != 0, z_label, float("-inf")))
+
+    cols = tl.arange(0, BLOCK_V)
+    s_t = tl.zeros([BLOCK_V], tl.float32)
+    s_1 = tl.zeros([BLOCK_V], tl.float32)
+    for t in range(NUM_TILES):
+        offs = t * BLOCK_V + cols
+        z = tl.load(z_row + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        tile_max = tl.max(z, axis=0)
+        if (tile_max - ref) * steep > REF_HEADROOM:  # rare; always on the first tile when r is unknown (-inf)
+            s_t *= tl.exp2((ref - tile_max) * scale_t)
+            if SEPARATE_SUM_1:
+                s_1 *= tl.exp2((ref - tile_max) * LOG2E)
+            ref = tile_max
+        e = tl.exp2((z - ref) * scale_t)
+        s_t += e
+        if SEPARATE_SUM_1:
+            s_1 += tl.exp2((z - ref) * LOG2E)
+        if WRITE:
+            tl.store(z_row + offs, e.to(z_ptr.dtype.element_ty), mask=offs < V)
+            tl.store(ref_ptr + row * NUM_TILES + t, ref)
+    sum_t = tl.sum(s_t, axis=0)
     t_dot = tl.sum(target * z_s, axis=0)
-    t_sum = tl.sum(tl.where(owned != 0, owned * tl.exp2((z_s - row_max) * scale_t), 0.0), axis=0)
+    t_sum = tl.sum(tl.where(is_owned, owned * tl.exp2((z_s - ref) * scale_t), 0.0), axis=0)
 
     out = stats_ptr + row * NUM_STATS
-    tl.store(out + I_MAX, row_max)
+    tl.store(out + I_MAX, ref)
     tl.store(out + I_SUM_T, sum_t)
     tl.store(out + I_TDOT, t_dot)
     tl.store(out + I_TSUM, t_sum)
     if HAS_LABELS:
         if SEPARATE_SUM_1:
-            sum_1 = lanes_sumexp(s_1, m, row_max, LOG2E)
+            sum_1 = tl.sum(s_1, axis=0)
         else:
             sum_1 = sum_t
-        label_idx = tl.load(label_idx_ptr + row)
-        label_owned = tl.load(label_owned_ptr + row)
-        z_label = tl.load(z_row + label_idx, mask=label_owned != 0, other=0.0).to(tl.float32)
         tl.store(out + I_SUM_1, sum_1)
         tl.store(out + I_LABEL, z_label * label_owned)
     else:
@@ -213,88 +233,135 @@ def _dense_grad(z, m, alpha, beta, scale_t, HAS_BETA: tl.constexpr):
 
 
 @triton.jit
-def logit_grad_kernel(
-    z_ptr, z_stride,  # in: logits, out: dLoss/dz, same memory
-    stats_ptr, zs_ptr,  # [c, NUM_STATS] local stats and [c, K] z_S from row_stats_kernel
+def grad_fixup_kernel(
+    x_ptr, x_stride,  # in: E from exp_stats_kernel; out: X, with dLoss/dz = σ·X
+    stats_ptr, zs_ptr, ref_ptr,  # [c, NUM_STATS], [c, K] z_S and [c, NUM_TILES] from exp_stats_kernel
     alpha_ptr, beta_ptr, sparse_scale_ptr, ghost_ptr,  # [c] from row_terms_kernel
     idx_ptr, owned_ptr, target_ptr,  # [c, K]
     label_idx_ptr, label_owned_ptr, label_sparse_ptr,  # [c]
-    K, scale_t,
-    V: tl.constexpr, NUM_STATS: tl.constexpr, I_MAX: tl.constexpr, I_LABEL: tl.constexpr,
+    sigma_ptr,  # out: [c] σ
+    K, scale_t, tau,
+    V: tl.constexpr, NUM_TILES: tl.constexpr, NUM_STATS: tl.constexpr, I_MAX: tl.constexpr, I_LABEL: tl.constexpr,
     HAS_BETA: tl.constexpr, GHOST: tl.constexpr, HAS_LABELS: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * z_stride
-    m = tl.load(stats_ptr + row * NUM_STATS + I_MAX)
+    x_row = x_ptr + row * x_stride
+    ref = tl.load(stats_ptr + row * NUM_STATS + I_MAX)
     alpha = tl.load(alpha_ptr + row)
     beta = 0.0
     if HAS_BETA:
         beta = tl.load(beta_ptr + row)
-    cols = tl.arange(0, BLOCK_V)
-    for start in range(0, V, BLOCK_V):
-        offs = start + cols
-        z = tl.load(z_row + offs, mask=offs < V, other=0.0).to(tl.float32)
-        g = _dense_grad(z, m, alpha, beta, scale_t, HAS_BETA)
-        tl.store(z_row + offs, g.to(z_ptr.dtype.element_ty), mask=offs < V)
-    # The sparse stores below must land after every thread's dense stores to the same columns.
-    tl.debug_barrier()
 
     k = tl.arange(0, BLOCK_K)
     kmask = k < K
-    idx = tl.load(idx_ptr + row * K + k, mask=kmask, other=-1)
+    idx = tl.load(idx_ptr + row * K + k, mask=kmask, other=-1).to(tl.int32)  # V_local < 2^31; half the registers
     owned = tl.load(owned_ptr + row * K + k, mask=kmask, other=0.0) != 0
     z_s = tl.load(zs_ptr + row * K + k, mask=kmask, other=0.0)
-    # The teacher entries' own term: -kd_scale·B_v (+ the ghost tail's r·q_v, q_v from the local max).
+    # The teacher entries' own term: -kd_scale·B_v (+ the ghost tail's r·q_v, q_v from the local reference).
     sparse = tl.load(sparse_scale_ptr + row) * tl.load(target_ptr + row * K + k, mask=kmask, other=0.0)
     if GHOST:
-        q_local = tl.exp2((tl.where(owned, z_s, m) - m) * scale_t)
+        q_local = tl.exp2((tl.where(owned, z_s, ref) - ref) * scale_t)
         sparse += tl.where(owned, tl.load(ghost_ptr + row) * q_local, 0.0)
     # Total sparse term at each entry's column, summed over duplicates of that column. (A genuine
     # top-K has none, but the cache format allows them. This K x K comparison costs ~6% of the
-    # kernel at K = 100; summing duplicates once per call instead measured no cheaper: a per-row
-    # sort of [T, K] took 0.4 ms, the same comparison as its own pass 1.5 ms per 32K tokens.)
+    # old gradient pass at K = 100; summing duplicates once per call instead measured no cheaper: a
+    # per-row sort of [T, K] took 0.4 ms, the same comparison as its own pass 1.5 ms per 32K tokens.)
     same = (idx[:, None] == idx[None, :]) & owned[None, :]
-    g_s = _dense_grad(z_s, m, alpha, beta, scale_t, HAS_BETA) + tl.sum(tl.where(same, sparse[None, :], 0.0), axis=1)
+    g_s = _dense_grad(z_s, ref, alpha, beta, scale_t, HAS_BETA) + tl.sum(tl.where(same, sparse[None, :], 0.0), axis=1)
+    largest = tl.max(tl.where(owned, tl.abs(g_s), 0.0), axis=0)
     if HAS_LABELS:
         label_idx = tl.load(label_idx_ptr + row)
         label_owned = tl.load(label_owned_ptr + row) != 0
         label_sparse = tl.load(label_sparse_ptr + row)
         g_s += tl.where(idx == label_idx, label_sparse, 0.0)
         z_label = tl.load(stats_ptr + row * NUM_STATS + I_LABEL)
-        g_label = (_dense_grad(z_label, m, alpha, beta, scale_t, HAS_BETA) + label_sparse
+        g_label = (_dense_grad(z_label, ref, alpha, beta, scale_t, HAS_BETA) + label_sparse
                    + tl.sum(tl.where(owned & (idx == label_idx), sparse, 0.0), axis=0))
-        tl.store(z_row + label_idx, g_label.to(z_ptr.dtype.element_ty), mask=label_owned)
-    tl.store(z_row + idx, g_s.to(z_ptr.dtype.element_ty), mask=kmask & owned)
+        largest = tl.maximum(tl.max(tl.where(owned, tl.abs(g_s), 0.0), axis=0),
+                             tl.where(label_owned, tl.abs(g_label), 0.0))
+
+    whole = (largest > SPARSE_RATIO * tl.abs(alpha)) | (beta != 0.0)
+    sigma = tl.where(whole, 1.0, alpha)
+    raised = tl.load(ref_ptr + row * NUM_TILES) < ref  # references only rise along the row
+    if whole | raised:
+        cols = tl.arange(0, BLOCK_V)
+        for t in range(NUM_TILES):
+            offs = t * BLOCK_V + cols
+            e = tl.load(x_row + offs, mask=offs < V, other=0.0).to(tl.float32)
+            e *= tl.exp2((tl.load(ref_ptr + row * NUM_TILES + t) - ref) * scale_t)  # to the row's final r
+            x = tl.where(whole, alpha * e, e)
+            if HAS_BETA:
+                x += beta * tl.exp2(tl.log2(e) * tau)  # exp(z - r) = E^τ
+            tl.store(x_row + offs, x.to(x_ptr.dtype.element_ty), mask=offs < V)
+        # The sparse stores below must land after every thread's dense stores to the same columns.
+        tl.debug_barrier()
+    inv_sigma = tl.where(sigma != 0.0, 1.0 / tl.where(sigma != 0.0, sigma, 1.0), 0.0)  # σ = α = 0: all terms 0
+    if HAS_LABELS:
+        tl.store(x_row + label_idx, (g_label * inv_sigma).to(x_ptr.dtype.element_ty), mask=label_owned)
+    tl.store(x_row + idx, (g_s * inv_sigma).to(x_ptr.dtype.element_ty), mask=kmask & owned)
+    tl.store(sigma_ptr + row, sigma)
 
 
-def local_row_stats(
+@triton.jit
+def scale_rows_kernel(src_ptr, src_stride, scale_ptr, dst_ptr, dst_stride, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dst[r] = scale[r]·src[r] in dst's dtype ([rows, N], unit column stride); one program per row."""
+    row = tl.program_id(0).to(tl.int64)
+    scale = tl.load(scale_ptr + row)
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(0, N, BLOCK_N):
+        offs = start + cols
+        v = tl.load(src_ptr + row * src_stride + offs, mask=offs < N, other=0.0).to(tl.float32) * scale
+        tl.store(dst_ptr + row * dst_stride + offs, v.to(dst_ptr.dtype.element_ty), mask=offs < N)
+
+
+def scale_rows(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = scale[:, None]·src, computed in fp32 and stored in out's dtype: the row scale σ of
+    ``grad_fixup_`` on the chunk's grad_h and h ([c, h]; one read and one write, where torch's
+    broadcast multiply with a dtype cast ran at a third of HBM speed)."""
+    src = src if src.stride(1) == 1 else src.contiguous()
+    assert out.stride(1) == 1 and src.shape == out.shape
+    rows, n = src.shape
+    scale_rows_kernel[(rows,)](src, src.stride(0), scale, out, out.stride(0), N=n,
+                               BLOCK_N=min(1024, triton.next_power_of_2(n)), num_warps=4)
+    return out
+
+
+def exp_row_stats_(
     block: torch.Tensor,
     teacher: chunk_math.ChunkTeacher,
     label_idx: torch.Tensor | None,
     label_owned: torch.Tensor | None,
     temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``topk_kl_torch.local_row_stats_`` except that ``block`` is left intact."""
+    *,
+    write: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The contract of ``topk_kl_torch.local_row_stats_`` (stats, z_S), and with ``write`` the block
+    overwritten by E and the reference each tile used ([c, tiles], for ``grad_fixup_``); without it
+    the block is left intact and no references are returned."""
     rows, vocab_local = block.shape
     k = teacher.local_idx.shape[1]
     stats = torch.empty(rows, NUM_ROW_STATS, dtype=torch.float32, device=block.device)
     z_s = torch.empty(rows, k, dtype=torch.float32, device=block.device)
+    block_v, warps = _launch_config(vocab_local)
+    tiles = triton.cdiv(vocab_local, block_v)
+    refs = torch.empty(rows, tiles, dtype=torch.float32, device=block.device) if write else None
     has_labels = label_idx is not None
-    block_v, warps = _launch_config(vocab_local, "stats")
-    row_stats_kernel[(rows,)](
+    separate_sum_1 = has_labels and temperature != 1.0
+    scale_t = LOG2E.value / temperature
+    exp_stats_kernel[(rows,)](
         block, block.stride(0),
         teacher.local_idx, teacher.owned, teacher.target_owned,
         label_idx if has_labels else stats, label_owned if has_labels else stats,
-        stats, z_s,
-        k, LOG2E.value / temperature, V=vocab_local,
+        stats, z_s, refs if write else stats,
+        k, scale_t, max(scale_t, LOG2E.value) if separate_sum_1 else scale_t,
+        V=vocab_local, NUM_TILES=tiles,
         NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
         I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
-        HAS_LABELS=has_labels, SEPARATE_SUM_1=has_labels and temperature != 1.0,
-        BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), GROUP=min(STATS_GROUP, block_v),
-        num_warps=warps,
+        HAS_LABELS=has_labels, SEPARATE_SUM_1=separate_sum_1, WRITE=write,
+        BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
     )
-    return stats, z_s
+    return stats, z_s, refs
 
 
 @dataclass
@@ -354,33 +421,37 @@ def row_terms(
     return RowTerms(alpha=alpha, beta=beta, sparse_scale=sparse_scale, ghost=ghost_c, label_sparse=label_sparse)
 
 
-def logit_grad_(
+def grad_fixup_(
     block: torch.Tensor,
     local_stats: torch.Tensor,
     z_s: torch.Tensor,
+    refs: torch.Tensor,
     terms: RowTerms,
     teacher: chunk_math.ChunkTeacher,
     label_idx: torch.Tensor | None,
     label_owned: torch.Tensor | None,
     temperature: float,
-) -> torch.Tensor:
-    """Overwrite the logits ``block`` with dLoss/dz (see ``RowTerms``) and return it."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E (``exp_row_stats_(write=True)``) -> (X, σ) in place, dLoss/dz = σ[:, None]·X (see ``RowTerms``)."""
     rows, vocab_local = block.shape
     k = teacher.local_idx.shape[1]
     has_labels = terms.label_sparse is not None
     alpha = terms.alpha
-    block_v, warps = _launch_config(vocab_local, "grad")
-    logit_grad_kernel[(rows,)](
+    sigma = torch.empty(rows, dtype=torch.float32, device=block.device)
+    block_v, _ = _launch_config(vocab_local)
+    warps = FIXUP_NUM_WARPS
+    grad_fixup_kernel[(rows,)](
         block, block.stride(0),
-        local_stats, z_s,
+        local_stats, z_s, refs,
         alpha, terms.beta if terms.beta is not None else alpha, terms.sparse_scale,
         terms.ghost if terms.ghost is not None else alpha,
         teacher.local_idx, teacher.owned, teacher.target_owned,
         label_idx if has_labels else alpha, label_owned if has_labels else alpha,
         terms.label_sparse if has_labels else alpha,
-        k, LOG2E.value / temperature, V=vocab_local,
-        NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_LABEL=ROW_LABEL_LOGIT,
+        sigma,
+        k, LOG2E.value / temperature, float(temperature),
+        V=vocab_local, NUM_TILES=refs.shape[1], NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_LABEL=ROW_LABEL_LOGIT,
         HAS_BETA=terms.beta is not None, GHOST=terms.ghost is not None, HAS_LABELS=has_labels,
         BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
     )
-    return block
+    return block, sigma

@@ -1,4 +1,4 @@
-"""Per-lane online log-sum-exp pieces shared by the Triton kernels of the loss and the teacher top-K.
+"""Per-lane online log-sum-exp pieces of the Triton kernels (the teacher top-K pass).
 
 A program walks a row in tiles of BLOCK_V lanes; every lane keeps its own running max m and
 s = Σ exp2((x - m)·scale) (scale = log2(e)/τ), so no cross-lane reduction happens inside the loop.
@@ -21,14 +21,6 @@ def online_sumexp(s, m_old, m_new, z, scale):
     """s rescaled from running max m_old to m_new = max(m_old, z), plus this tile's term."""
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     return s * tl.exp2((m_old - m_ref) * scale) + tl.exp2((z - m_ref) * scale)
-
-
-@triton.jit
-def online_sumexp_groups(s, m_old, m_new, z, scale):
-    """``online_sumexp`` for z of [lanes, group] (a group of columns per lane, summed per lane):
-    one rescaling exp2 per group instead of per column."""
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return s * tl.exp2((m_old - m_ref) * scale) + tl.sum(tl.exp2((z - m_ref[:, None]) * scale), axis=1)
 
 
 @triton.jit

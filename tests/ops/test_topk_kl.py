@@ -104,6 +104,31 @@ def test_triton_rows_longer_than_one_tile(seed, tail, temperature, ce_weight):
     _check(fused, ref, 1e-4)
 
 
+@pytest.mark.parametrize("tail, temperature, ce_weight", [("none", 1.0, 0.5), ("ghost", 1.0, 0.0), ("renorm", 2.0, 0.5)])
+@pytest.mark.parametrize("far", [30.0, 60.0])
+def test_triton_rows_far_above_their_teacher_entries(seed, tail, temperature, ce_weight, far):
+    """Rows whose student puts one logit `far` nats above the rest, in the last tile, away from the
+    teacher entries and the label. At 60 the Triton pass raises the row's reference mid-row (the
+    earlier tiles are rescaled) and α vanishes next to the sparse terms (the row is written whole);
+    at 30 neither happens. Every row of grad_h is checked on its own."""
+    _skip_unless_cpu_triton("triton")
+    x = make_inputs(s=6, b=2, h=16, vocab=9000, k=12)
+    hot = 8500
+    rows = [(0, 0), (2, 1), (5, 0)]
+    for s_, b_ in rows:
+        w = x.weight[hot]
+        x.hidden[s_, b_] = w * (far / w.dot(w))
+        x.topk_ids[s_, b_][x.topk_ids[s_, b_] == hot] = 0
+        x.labels[s_, b_] = 1
+    kw = dict(labels=x.labels, ce_weight=ce_weight, temperature=temperature, tail=tail)
+    ref = loss_and_grads(topk_kl_reference, x, **kw)
+    fused = loss_and_grads(fused_topk_kl, x, hidden=x.hidden.float(), weight=x.weight.float(),
+                           chunk_size=5, impl="triton", **kw)
+    _check(fused, ref, 1e-4)
+    for s_, b_ in rows:
+        assert rel_err(fused[2][s_, b_], ref[2][s_, b_]) <= 1e-4, (s_, b_)
+
+
 def test_triton_impl_refuses_what_it_cannot_run(seed, monkeypatch):
     x = make_inputs(s=4, b=1)
     with pytest.raises(ValueError, match="impl='triton' needs bf16/fp16/fp32"):

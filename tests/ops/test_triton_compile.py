@@ -13,4 +13,5 @@ def test_kernels_compile_for_hopper():
     proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = [line.split(":")[0] for line in proc.stdout.splitlines()]
-    assert compiled == ["topk_candidates_kernel", "row_stats_kernel", "logit_grad_kernel", "row_terms_kernel"], proc.stdout
+    assert compiled == ["topk_candidates_kernel", "exp_stats_kernel", "grad_fixup_kernel", "grad_fixup_kernel",
+                        "row_terms_kernel", "scale_rows_kernel"], proc.stdout

@@ -7,7 +7,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_kd.ops.topk_kl_triton import ROW_TERMS_BLOCK, logit_grad_kernel, row_stats_kernel, row_terms_kernel
+from megatron_kd.ops.topk_kl_triton import (
+    ROW_TERMS_BLOCK,
+    exp_stats_kernel,
+    grad_fixup_kernel,
+    row_terms_kernel,
+    scale_rows_kernel,
+)
 from megatron_kd.ops.topk_triton import topk_candidates_kernel
 
 GPT_OSS_VOCAB = 201_088
@@ -29,18 +35,28 @@ def main():
     )
     rows = {"idx_ptr": "*i64", "owned_ptr": "*fp32", "label_idx_ptr": "*i64", "label_owned_ptr": "*fp32",
             "stats_ptr": "*fp32", "zs_ptr": "*fp32", "K": "i32", "scale_t": "fp32"}
-    stats = {"NUM_STATS": 6, "I_MAX": 0, "I_LABEL": 5, "V": GPT_OSS_VOCAB, "BLOCK_V": 4096, "BLOCK_K": 128}
+    stats = {"NUM_STATS": 6, "I_MAX": 0, "I_LABEL": 5, "V": GPT_OSS_VOCAB, "NUM_TILES": 50, "BLOCK_V": 4096,
+             "BLOCK_K": 128}
     compile_sm90(
-        row_stats_kernel, {"z_ptr": "*bf16", "z_stride": "i64", "target_ptr": "*fp32", **rows},
+        exp_stats_kernel,
+        {"z_ptr": "*bf16", "z_stride": "i64", "target_ptr": "*fp32", "ref_ptr": "*fp32", "steep": "fp32", **rows},
         {**stats, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "HAS_LABELS": True, "SEPARATE_SUM_1": True,
-         "GROUP": 4},
-        num_warps=8,
+         "WRITE": True},
+        num_warps=4,
     )
     compile_sm90(
-        logit_grad_kernel,
-        {"z_ptr": "*bf16", "z_stride": "i64", "alpha_ptr": "*fp32", "beta_ptr": "*fp32", "sparse_scale_ptr": "*fp32",
-         "ghost_ptr": "*fp32", "target_ptr": "*fp32", "label_sparse_ptr": "*fp32", **rows},
+        grad_fixup_kernel,
+        {"x_ptr": "*bf16", "x_stride": "i64", "ref_ptr": "*fp32", "alpha_ptr": "*fp32", "beta_ptr": "*fp32",
+         "sparse_scale_ptr": "*fp32", "ghost_ptr": "*fp32", "target_ptr": "*fp32", "label_sparse_ptr": "*fp32",
+         "sigma_ptr": "*fp32", "tau": "fp32", **rows},
         {**stats, "HAS_BETA": True, "GHOST": True, "HAS_LABELS": True}, num_warps=4,
+    )
+    compile_sm90(
+        grad_fixup_kernel,
+        {"x_ptr": "*bf16", "x_stride": "i64", "ref_ptr": "*fp32", "alpha_ptr": "*fp32", "beta_ptr": "*fp32",
+         "sparse_scale_ptr": "*fp32", "ghost_ptr": "*fp32", "target_ptr": "*fp32", "label_sparse_ptr": "*fp32",
+         "sigma_ptr": "*fp32", "tau": "fp32", **rows},
+        {**stats, "HAS_BETA": False, "GHOST": False, "HAS_LABELS": False}, num_warps=4,
     )
     row_vectors = ("const", "lse_coef", "mass", "rho", "label_owned", "kd", "ce", "alpha", "beta", "sparse_scale",
                    "ghost", "label_sparse")
@@ -52,6 +68,11 @@ def main():
          "GHOST": True, "HAS_LABELS": True, "NEED_GRAD": True, "CE_GRAD": True, "SEPARATE_BETA": True,
          "BLOCK_R": ROW_TERMS_BLOCK},
         num_warps=4,
+    )
+    compile_sm90(
+        scale_rows_kernel,
+        {"src_ptr": "*fp32", "src_stride": "i64", "scale_ptr": "*fp32", "dst_ptr": "*bf16", "dst_stride": "i64"},
+        {"N": 2880, "BLOCK_N": 1024}, num_warps=4,
     )
 
 
