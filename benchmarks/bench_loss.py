@@ -1,6 +1,9 @@
 """Speed and memory of the output-layer distillation loss, forward + backward, on CUDA.
 
 Every (method, shape) runs in a fresh process so peak-memory numbers do not leak between runs.
+Medians drift by a few percent over a call as the GPU warms, and by ±1% between machines of one
+kind, so compare a method with the floor measured in the same call: --rounds N runs every
+(shape, method) N times, interleaved, and prints each row's ratio to that round's floor.
 Every method except floor and liger-flce computes the same loss: top-K KL, tail="none", τ = 1,
 sum over tokens, K = 100, from bf16 hidden [T, h] and weight [V, h], teacher ids [T, K] int64 and
 logprobs [T, K] fp32.
@@ -8,6 +11,7 @@ logprobs [T, K] fp32.
     python benchmarks/bench_loss.py --check                          # correctness of the KL methods (CPU ok)
     python benchmarks/bench_loss.py                                  # all methods x shapes, one GPU
     python benchmarks/bench_loss.py --methods floor,ours-triton --shapes gptoss-32k --out results.csv
+    python benchmarks/bench_loss.py --methods floor,ours-triton-main-grad --shapes gptoss-32k --rounds 3
     python benchmarks/bench_loss.py --methods ours-triton --shapes gptoss-32k --chunk-size 512
     python benchmarks/bench_loss.py --tp 2 --shapes gptoss-32k,h4096-v64k-32k
     python benchmarks/bench_loss.py --methods ours-torch,ours-triton,ours-triton-main-grad \\
@@ -58,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import os
 import socket
@@ -441,6 +446,23 @@ def kernel_sweep(shape: str, chunk: int, configs: str):
               + ", ".join(f"{w}: {t:.3f}" for w, t in t_fix.items()))
 
 
+def print_summary(rows: list[dict]) -> None:
+    """One line per row; a method's ratio to the floor of the same round and shape, where it ran."""
+    floors = {(r["round"], r["shape"]): r["ms"] for r in rows if r["method"] == "floor" and r.get("status") == "ok"}
+    print(f"\n{'round':>5} {'shape':16} {'method':22} {'tp':>2} {'chunk':>6} {'ms':>9} {'x floor':>7} {'TFLOP/s':>8} "
+          f"{'peak GiB':>9} {'over in+grad GiB':>17}")
+    for r in rows:
+        head = f"{r['round']:5} {r['shape']:16} {r['method']:22} {r.get('tp', 1):>2} {r.get('chunk_size') or 'auto':>6}"
+        if r.get("status") == "ok":
+            floor = floors.get((r["round"], r["shape"]))
+            ratio = f"{r['ms'] / floor:7.3f}" if floor else f"{'':7}"
+            print(f"{head} {r['ms']:9.1f} {ratio} {r['tflops']:8.0f} {r['peak_gib']:9.2f} "
+                  f"{r['over_inputs_grads_gib']:17.2f}")
+        else:
+            print(f"{head} {r.get('status')}")
+
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--methods", default=None, help="comma-separated (default: all; at --tp > 1 the ours-* ones)")
@@ -452,6 +474,7 @@ def main():
     p.add_argument("--profile", action="store_true", help="print CUDA time per kernel for one step of each row")
     p.add_argument("--kernel-sweep", metavar="BLOCKxWARPS,...", default=None,
                    help="time the Triton kernels alone on one [chunk-size x V] block of each shape, per config")
+    p.add_argument("--rounds", type=int, default=1, help="run every (shape, method) this many times, interleaved")
     p.add_argument("--out", type=Path, default=None, help="CSV file for the results")
     p.add_argument("--one", nargs=2, metavar=("METHOD", "SHAPE"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -471,35 +494,27 @@ def main():
     if args.chunk_size:
         extra += ["--chunk-size", str(args.chunk_size)]
     rows = []
-    for shape in args.shapes.split(","):
-        for method in methods:
-            env = dict(os.environ, **({"BENCH_LOSS_PROFILE": "1"} if args.profile else {}))
-            proc = subprocess.run([sys.executable, __file__, "--one", method, shape, *extra],
-                                  capture_output=True, text=True, env=env)
-            if args.profile:
-                print(proc.stderr[-6000:], file=sys.stderr)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            row = json.loads(lines[-1]) if lines else dict(
-                method=method, shape=shape, tp=args.tp, chunk_size=args.chunk_size, status="error")
-            if not lines:
-                print(proc.stderr[-3000:], file=sys.stderr)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for rnd, shape, method in itertools.product(range(1, args.rounds + 1), args.shapes.split(","), methods):
+        env = dict(os.environ, **({"BENCH_LOSS_PROFILE": "1"} if args.profile else {}))
+        proc = subprocess.run([sys.executable, __file__, "--one", method, shape, *extra],
+                              capture_output=True, text=True, env=env)
+        if args.profile:
+            print(proc.stderr[-6000:], file=sys.stderr)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        row = json.loads(lines[-1]) if lines else dict(
+            method=method, shape=shape, tp=args.tp, chunk_size=args.chunk_size, status="error")
+        if not lines:
+            print(proc.stderr[-3000:], file=sys.stderr)
+        row["round"] = rnd
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     if args.out:
         keys = sorted({k for r in rows for k in r})
         with args.out.open("w", newline="") as f:
             writer = csv.DictWriter(f, keys)
             writer.writeheader()
             writer.writerows(rows)
-    print(f"\n{'shape':16} {'method':22} {'tp':>2} {'chunk':>6} {'ms':>9} {'TFLOP/s':>8} {'peak GiB':>9} "
-          f"{'over in+grad GiB':>17}")
-    for r in rows:
-        head = f"{r['shape']:16} {r['method']:22} {r.get('tp', 1):>2} {r.get('chunk_size') or 'auto':>6}"
-        if r.get("status") == "ok":
-            print(f"{head} {r['ms']:9.1f} {r['tflops']:8.0f} {r['peak_gib']:9.2f} {r['over_inputs_grads_gib']:17.2f}")
-        else:
-            print(f"{head} {r.get('status')}")
-
+    print_summary(rows)
 
 if __name__ == "__main__":
     main()
