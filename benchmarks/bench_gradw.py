@@ -29,6 +29,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @triton.jit
+def _tile_origin(tile, tiles_m, tiles_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(first row, first column) of output tile ``tile``. Tiles go in groups of GROUP_M rows, so
+    neighbouring programs share their B tiles in L2; a tile past the last one stays well defined."""
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.maximum(tl.minimum(tiles_m - first_m, GROUP_M), 1)
+    return (first_m + (tile % per_group) % group_rows) * BLOCK_M, ((tile % per_group) // group_rows) * BLOCK_N
+
+
+@triton.jit
+def _c_tile(c_ptr, stride_cm, om, on, M, N, valid, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pointers to the C tile at (om, on) and its mask (``valid``: the tile exists)."""
+    rows = om + tl.arange(0, BLOCK_M)
+    cols = on + tl.arange(0, BLOCK_N)
+    ptrs = c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :]
+    return ptrs, (rows[:, None] < M) & (cols[None, :] < N) & valid
+
+
+@triton.jit
 def gemm_tn_accumulate_kernel(
     a_ptr, b_ptr, c_ptr,  # A [K, M] bf16 (row-major), B [K, N] bf16, C [M, N] fp32: C += Aᵀ·B
     M, N,
@@ -37,21 +56,11 @@ def gemm_tn_accumulate_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     C_FIRST: tl.constexpr,  # start the accumulator from C (else add C after the main loop)
 ):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    # Tiles in groups of GROUP_M rows, so neighbouring programs share their B tiles in L2.
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    om, on = _tile_origin(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = om + tl.arange(0, BLOCK_M)
+    offs_n = on + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    c_ptrs, c_mask = _c_tile(c_ptr, stride_cm, om, on, M, N, True, BLOCK_M, BLOCK_N)
     if C_FIRST:
         acc = tl.load(c_ptrs, mask=c_mask, other=0.0)
     else:
@@ -101,37 +110,23 @@ def gemm_tn_accumulate_tma_kernel(
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tiles_m * tiles_n
-    per_group = GROUP_M * tiles_n
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
     c_next = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if C_MODE == "prefetch":  # the first tile's accumulator
-        first_m = (pid // per_group) * GROUP_M
-        group_rows = tl.maximum(tl.minimum(tiles_m - first_m, GROUP_M), 1)  # >= 1 past the last tile
-        om = (first_m + (pid % per_group) % group_rows) * BLOCK_M
-        on = ((pid % per_group) // group_rows) * BLOCK_N
-        mask = ((om + rows)[:, None] < M) & ((on + cols)[None, :] < N) & (pid < num_tiles)
-        c_next = tl.load(c_ptr + (om + rows)[:, None].to(tl.int64) * stride_cm + (on + cols)[None, :], mask=mask, other=0.0)
+        om, on = _tile_origin(pid, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
+        ptrs, mask = _c_tile(c_ptr, stride_cm, om, on, M, N, pid < num_tiles, BLOCK_M, BLOCK_N)
+        c_next = tl.load(ptrs, mask=mask, other=0.0)
     for i in range(TILES_PER_PROGRAM):
         tile = pid + i * NUM_PROGRAMS
-        first_m = (tile // per_group) * GROUP_M
-        group_rows = tl.maximum(tl.minimum(tiles_m - first_m, GROUP_M), 1)  # >= 1 past the last tile
-        om = (first_m + (tile % per_group) % group_rows) * BLOCK_M
-        on = ((tile % per_group) // group_rows) * BLOCK_N
-        mask = ((om + rows)[:, None] < M) & ((on + cols)[None, :] < N) & (tile < num_tiles)
-        c_ptrs = c_ptr + (om + rows)[:, None].to(tl.int64) * stride_cm + (on + cols)[None, :]
+        om, on = _tile_origin(tile, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
+        c_ptrs, mask = _c_tile(c_ptr, stride_cm, om, on, M, N, tile < num_tiles, BLOCK_M, BLOCK_N)
         if C_MODE == "tma":
             acc = c_desc.load([om, on])
         else:
             c_this = c_next
             nxt = tile + NUM_PROGRAMS
-            n_first_m = (nxt // per_group) * GROUP_M
-            n_group_rows = tl.maximum(tl.minimum(tiles_m - n_first_m, GROUP_M), 1)
-            n_om = (n_first_m + (nxt % per_group) % n_group_rows) * BLOCK_M
-            n_on = ((nxt % per_group) // n_group_rows) * BLOCK_N
-            n_mask = ((n_om + rows)[:, None] < M) & ((n_on + cols)[None, :] < N) & (nxt < num_tiles)
-            c_next = tl.load(c_ptr + (n_om + rows)[:, None].to(tl.int64) * stride_cm + (n_on + cols)[None, :],
-                             mask=n_mask, other=0.0)
+            n_om, n_on = _tile_origin(nxt, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
+            n_ptrs, n_mask = _c_tile(c_ptr, stride_cm, n_om, n_on, M, N, nxt < num_tiles, BLOCK_M, BLOCK_N)
+            c_next = tl.load(n_ptrs, mask=n_mask, other=0.0)
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
             a = a_desc.load([k0, om])  # [BLOCK_K, BLOCK_M]

@@ -22,9 +22,10 @@ Per GPU, in GiB (the most loaded rank):
                Sinks, windows and the cuDNN/flex kernels keep O(s) statistics only
   dispatch     the all-to-all send and receive buffers of routed tokens (EP > 1)
   loss         ``fused``: one chunk block (one bf16 weight gradient + 0.5 GiB, less the op's own
-               buffers) and Megatron's dummy weight gradient; ``ce``: Megatron's output layer + cross-entropy (bf16 logits and
-               their fp32 copy, [s, V/TP]); ``dense``: materialized KD: bf16 logits and four fp32
-               [s, V/TP] tensors at its peak (copy, log-softmax, probabilities, logit gradient)
+               buffers) and Megatron's dummy weight gradient; ``ce``: Megatron's output layer +
+               cross-entropy (bf16 logits and their fp32 copy, [s, V/TP]); ``dense``: materialized
+               KD: bf16 logits and four fp32 [s, V/TP] tensors at its peak (copy, log-softmax,
+               probabilities, logit gradient)
   kd batch     the teacher's ids (int32) and log-probs (fp32), [s, K] per micro-batch
 
 Parameter counts come from Megatron-LM's own estimator (``theoretical_memory_usage``), which already

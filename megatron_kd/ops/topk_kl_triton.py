@@ -269,7 +269,6 @@ def grad_fixup_kernel(
     # per-row sort of [T, K] took 0.4 ms, the same comparison as its own pass 1.5 ms per 32K tokens.)
     same = (idx[:, None] == idx[None, :]) & owned[None, :]
     g_s = _dense_grad(z_s, ref, alpha, beta, scale_t, HAS_BETA) + tl.sum(tl.where(same, sparse[None, :], 0.0), axis=1)
-    largest = tl.max(tl.where(owned, tl.abs(g_s), 0.0), axis=0)
     if HAS_LABELS:
         label_idx = tl.load(label_idx_ptr + row)
         label_owned = tl.load(label_owned_ptr + row) != 0
@@ -278,9 +277,9 @@ def grad_fixup_kernel(
         z_label = tl.load(stats_ptr + row * NUM_STATS + I_LABEL)
         g_label = (_dense_grad(z_label, ref, alpha, beta, scale_t, HAS_BETA) + label_sparse
                    + tl.sum(tl.where(owned & (idx == label_idx), sparse, 0.0), axis=0))
-        largest = tl.maximum(tl.max(tl.where(owned, tl.abs(g_s), 0.0), axis=0),
-                             tl.where(label_owned, tl.abs(g_label), 0.0))
-
+    largest = tl.max(tl.where(owned, tl.abs(g_s), 0.0), axis=0)  # the sparse entries' final values
+    if HAS_LABELS:
+        largest = tl.maximum(largest, tl.where(label_owned, tl.abs(g_label), 0.0))
     whole = (largest > SPARSE_RATIO * tl.abs(alpha)) | (beta != 0.0)
     sigma = tl.where(whole, 1.0, alpha)
     raised = tl.load(ref_ptr + row * NUM_TILES) < ref  # references only rise along the row

@@ -44,20 +44,12 @@ def main():
          "WRITE": True},
         num_warps=4,
     )
-    compile_sm90(
-        grad_fixup_kernel,
-        {"x_ptr": "*bf16", "x_stride": "i64", "ref_ptr": "*fp32", "alpha_ptr": "*fp32", "beta_ptr": "*fp32",
-         "sparse_scale_ptr": "*fp32", "ghost_ptr": "*fp32", "target_ptr": "*fp32", "label_sparse_ptr": "*fp32",
-         "sigma_ptr": "*fp32", "tau": "fp32", **rows},
-        {**stats, "HAS_BETA": True, "GHOST": True, "HAS_LABELS": True}, num_warps=4,
-    )
-    compile_sm90(
-        grad_fixup_kernel,
-        {"x_ptr": "*bf16", "x_stride": "i64", "ref_ptr": "*fp32", "alpha_ptr": "*fp32", "beta_ptr": "*fp32",
-         "sparse_scale_ptr": "*fp32", "ghost_ptr": "*fp32", "target_ptr": "*fp32", "label_sparse_ptr": "*fp32",
-         "sigma_ptr": "*fp32", "tau": "fp32", **rows},
-        {**stats, "HAS_BETA": False, "GHOST": False, "HAS_LABELS": False}, num_warps=4,
-    )
+    fixup = {"x_ptr": "*bf16", "x_stride": "i64", "ref_ptr": "*fp32", "alpha_ptr": "*fp32", "beta_ptr": "*fp32",
+             "sparse_scale_ptr": "*fp32", "ghost_ptr": "*fp32", "target_ptr": "*fp32", "label_sparse_ptr": "*fp32",
+             "sigma_ptr": "*fp32", "tau": "fp32", **rows}
+    for every_term in (True, False):  # the whole-row rewrite with every term, and the sparse-only common case
+        compile_sm90(grad_fixup_kernel, fixup,
+                     {**stats, "HAS_BETA": every_term, "GHOST": every_term, "HAS_LABELS": every_term}, num_warps=4)
     row_vectors = ("const", "lse_coef", "mass", "rho", "label_owned", "kd", "ce", "alpha", "beta", "sparse_scale",
                    "ghost", "label_sparse")
     compile_sm90(
