@@ -165,17 +165,31 @@ def check_inputs(
 
 
 class PendingValueChecks:
-    """The checks that read tensor values (ids and labels in range, no NaN / +inf log-probabilities),
-    launched on the device and copied to the host without waiting.
+    """The checks that read tensor values (ids and labels in range, no NaN / +inf log-probabilities):
+    ``launch`` queues them on the device with a copy to the host that does not wait; ``raise_if_bad``
+    waits for that copy.
 
-    ``fused_topk_kl`` reads the verdict only after it has queued its first logits GEMM, so the GPU
-    is not left idle behind a synchronizing read; nothing is written before that (bad ids and labels
-    are masked out of every kernel, so the work queued first is harmless).
+    ``fused_topk_kl`` launches them behind its first logits GEMM and reads the verdict just before
+    its first write that cannot be undone (the weight gradient into ``main_grad``), so neither the
+    checks nor the read leave the GPU idle. The work queued before the read is harmless with bad
+    values: ids and labels outside this rank's shard are masked out of every kernel, and NaN only
+    reaches buffers of the op's own.
     """
 
     def __init__(self, topk_ids, topk_logprobs, labels, *, vocab: int, tp: int):
         self.vocab = vocab
         self._note = f"vocabulary size {vocab} (weight rows {vocab // tp} x tp {tp})"
+        self._inputs = (topk_ids, topk_logprobs, labels)
+        self._names = None
+        self._event = None
+        self._values = None
+
+    def launch(self) -> None:
+        """Queue the checks and their copy to the host (once)."""
+        if self._names is not None:
+            return
+        topk_ids, topk_logprobs, labels = self._inputs
+        self._inputs = None
         checks = {}
         if topk_ids.numel():
             checks.update(id_lo=topk_ids.min(), id_hi=topk_ids.max(), nan=torch.isnan(topk_logprobs).any(),
@@ -183,8 +197,6 @@ class PendingValueChecks:
         if labels is not None and labels.numel():
             checks.update(label_lo=labels.min(), label_hi=labels.max())
         self._names = list(checks)
-        self._event = None
-        self._values = None
         if checks:
             values = torch.stack([c.to(torch.int64) for c in checks.values()])
             if values.is_cuda:
@@ -196,12 +208,14 @@ class PendingValueChecks:
                 self._values = values
 
     def raise_if_bad(self) -> None:
-        """Wait for the verdict; raise ``ValueError`` naming the bad argument."""
+        """Wait for the verdict (the first time); raise ``ValueError`` naming the bad argument."""
+        self.launch()
         if self._values is None:
             return
         if self._event is not None:
             self._event.synchronize()
         got = dict(zip(self._names, self._values.tolist()))
+        self._values = None  # read once
         vocab = self.vocab
         if "id_lo" in got:
             lo, hi = got["id_lo"], got["id_hi"]

@@ -151,7 +151,8 @@ def topk_kl_forward(
 ):
     """Loss, stats [4] and the gradients (grad_hidden, grad_weight or None for each).
 
-    ``value_checks`` (from ``check_inputs``) is read once the first logits GEMM is queued.
+    ``value_checks`` (from ``check_inputs``) is launched behind the first logits GEMM and read
+    before the first weight-gradient GEMM, the first write outside the op's own buffers.
     """
     group = opts.tp_group
     rank = group_rank(group)
@@ -171,16 +172,6 @@ def topk_kl_forward(
     ids2d = topk_ids.reshape(num_tokens, -1)
     lps2d = topk_logprobs.reshape(num_tokens, -1)
     labels1d = labels.reshape(num_tokens) if has_labels else None
-    mask = loss_mask.reshape(num_tokens).to(acc) if loss_mask is not None else h2d.new_ones(num_tokens, dtype=acc)
-
-    tokens = mask.sum()
-    if opts.reduction == "mean":
-        inv_tokens = torch.where(tokens > 0, 1.0 / tokens.clamp_min(1e-30), 0.0)
-        row_weight = mask * inv_tokens  # ρ
-    else:
-        inv_tokens = None
-        row_weight = mask
-
     need_grad = need_grad_hidden or need_grad_weight
     # Triton: logits and their gradient share one block in the input dtype. Torch: an fp32 block,
     # plus a low-precision copy of G for mixed-precision GEMMs.
@@ -202,6 +193,16 @@ def topk_kl_forward(
         # The first chunk's logits are queued before the per-call work below, so the GPU computes
         # them while the host launches that.
         first_block = torch.mm(h2d[: len(block_buf)], w_gemm.t(), out=block_buf)
+    value_checks.launch()
+
+    mask = loss_mask.reshape(num_tokens).to(acc) if loss_mask is not None else h2d.new_ones(num_tokens, dtype=acc)
+    tokens = mask.sum()
+    if opts.reduction == "mean":
+        inv_tokens = torch.where(tokens > 0, 1.0 / tokens.clamp_min(1e-30), 0.0)
+        row_weight = mask * inv_tokens  # ρ
+    else:
+        inv_tokens = None
+        row_weight = mask
 
     # Teacher terms and label columns once for all tokens ([T, K]: the size of the cache inputs),
     # per-token losses into [T] buffers summed after the loop: per chunk, only the work that needs
@@ -237,8 +238,6 @@ def topk_kl_forward(
             block = first_block if start == 0 else torch.mm(h_c_gemm, w_gemm.t(), out=block_buf[: end - start])
         else:
             block = chunk_logits(h_c_gemm, w_gemm, acc)
-        if start == 0:  # the GPU has work queued while we wait; nothing has been written yet
-            value_checks.raise_if_bad()
 
         teacher = teacher_all.rows(start, end)
         rho = row_weight[start:end]
@@ -282,6 +281,9 @@ def topk_kl_forward(
                     torch.mm(g, w_gemm, out=grad_h2d[start:end])
                 else:  # CPU with bf16/fp16 inputs: GEMM in fp32, cast on store
                     grad_h2d[start:end] = g @ w_gemm
+            if start == 0:  # the GPU has this chunk's work queued while we wait
+                value_checks.raise_if_bad()
+                _GradOneCheck.raise_if_bad(weight)
             if need_grad_weight:
                 h_w = h_c_gemm
                 if row_scale is not None:  # Gᵀ·h = Xᵀ·(σ·h)
@@ -293,6 +295,7 @@ def topk_kl_forward(
                     grad_w_acc.addmm_(g.t(), h_w)
             del g
         del block
+    value_checks.raise_if_bad()  # no-op once read; without gradients, nothing was read in the loop
 
     row_loss = (opts.kd_weight * tau * tau) * kd_rows
     if has_labels and opts.ce_weight != 0:
@@ -313,6 +316,38 @@ def topk_kl_forward(
     if need_grad_weight and not fuse_main_grad:
         grad_weight = grad_w_acc if grad_w_acc.dtype == weight.dtype else grad_w_acc.to(weight.dtype)
     return loss, stats, grad_hidden, grad_weight
+
+
+class _GradOneCheck:
+    """With main_grad fusion the weight gradient was added in forward for an incoming gradient of 1.
+    Reading grad_loss in backward would stall the host until the forward's GEMMs finish (and with
+    it every backward kernel behind them), so backward copies it to the host without waiting and
+    the op's next call on the same weight checks it, where it waits for its own inputs anyway."""
+
+    ATTR = "_fused_topk_kl_grad_loss"
+
+    def __init__(self, grad_loss: torch.Tensor):
+        self.value = torch.empty((), dtype=torch.float64, pin_memory=grad_loss.is_cuda)
+        self.value.copy_(grad_loss.detach(), non_blocking=True)
+        self.event = torch.cuda.Event() if grad_loss.is_cuda else None
+        if self.event is not None:
+            self.event.record()
+
+    @classmethod
+    def raise_if_bad(cls, weight: torch.Tensor) -> None:
+        pending = weight.__dict__.pop(cls.ATTR, None)
+        if pending is None:
+            return
+        if pending.event is not None:
+            pending.event.synchronize()
+        got = pending.value.item()
+        if got != 1.0:
+            raise RuntimeError(
+                "fused_topk_kl(gradient_accumulation_fusion=True) adds the weight gradient to main_grad "
+                f"in forward, so the loss must be backpropagated with gradient 1; the previous backward "
+                f"passed {got}, and main_grad holds that step's gradient unscaled: train in bf16 with "
+                "per-token loss (no loss scaling)"
+            )
 
 
 def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
@@ -341,17 +376,15 @@ class FusedTopKKLFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_stats):
         grad_hidden, grad_weight = ctx.saved_tensors
-        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
-            if ctx.fused_weight is not None:
-                raise RuntimeError(
-                    "fused_topk_kl(gradient_accumulation_fusion=True) added the weight gradient to "
-                    f"main_grad in forward, so the loss must be backpropagated with gradient 1, got "
-                    f"{grad_loss.item()}: train in bf16 with per-token loss (no loss scaling)"
-                )
+        # No host sync here: scaling by grad_loss (1 in training: per-token loss) costs less than
+        # reading it, and the fused case checks it at its next call. Out of place: a retained graph
+        # may be backpropagated again.
+        if ctx.fused_weight is None:
             grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
             grad_weight = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
-        if ctx.fused_weight is not None:
+        else:
             weight = ctx.fused_weight
+            setattr(weight, _GradOneCheck.ATTR, _GradOneCheck(grad_loss))
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
                 grad_weight = _dummy_wgrad(weight)
