@@ -164,14 +164,34 @@ def check_inputs(
     return PendingValueChecks(topk_ids, topk_logprobs, labels, vocab=vocab, tp=tp)
 
 
+class HostCopy:
+    """``tensor`` copied to the host without waiting; ``get()`` waits for that copy alone, not for
+    the work queued after it."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._event = None
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensor.detach().clone()
+
+    def get(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
+
+
 class PendingValueChecks:
     """The checks that read tensor values (ids and labels in range, no NaN / +inf log-probabilities):
     ``launch`` queues them on the device with a copy to the host that does not wait; ``raise_if_bad``
     waits for that copy.
 
-    ``fused_topk_kl`` launches them behind its first logits GEMM and reads the verdict just before
-    its first write that cannot be undone (the weight gradient into ``main_grad``), so neither the
-    checks nor the read leave the GPU idle. The work queued before the read is harmless with bad
+    ``fused_topk_kl`` launches them behind its first logits GEMM and reads the verdict once the
+    first chunk's passes are queued, before its first write that cannot be undone (the weight
+    gradient into ``main_grad``), so neither the checks nor the read leave the GPU idle. The work queued before the read is harmless with bad
     values: ids and labels outside this rank's shard are masked out of every kernel, and NaN only
     reaches buffers of the op's own.
     """
@@ -181,8 +201,7 @@ class PendingValueChecks:
         self._note = f"vocabulary size {vocab} (weight rows {vocab // tp} x tp {tp})"
         self._inputs = (topk_ids, topk_logprobs, labels)
         self._names = None
-        self._event = None
-        self._values = None
+        self._values = None  # HostCopy of the checks' results until read
 
     def launch(self) -> None:
         """Queue the checks and their copy to the host (once)."""
@@ -198,23 +217,14 @@ class PendingValueChecks:
             checks.update(label_lo=labels.min(), label_hi=labels.max())
         self._names = list(checks)
         if checks:
-            values = torch.stack([c.to(torch.int64) for c in checks.values()])
-            if values.is_cuda:
-                self._values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-                self._values.copy_(values, non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record()
-            else:
-                self._values = values
+            self._values = HostCopy(torch.stack([c.to(torch.int64) for c in checks.values()]))
 
     def raise_if_bad(self) -> None:
         """Wait for the verdict (the first time); raise ``ValueError`` naming the bad argument."""
         self.launch()
         if self._values is None:
             return
-        if self._event is not None:
-            self._event.synchronize()
-        got = dict(zip(self._names, self._values.tolist()))
+        got = dict(zip(self._names, self._values.get().tolist()))
         self._values = None  # read once
         vocab = self.vocab
         if "id_lo" in got:

@@ -34,7 +34,7 @@ from megatron_kd.ops.comm import (
     group_rank,
     reduce_scatter_first_dim,
 )
-from megatron_kd.ops.topk_kl import PendingValueChecks, TopKKLOptions
+from megatron_kd.ops.topk_kl import HostCopy, PendingValueChecks, TopKKLOptions
 
 _MiB = 1 << 20
 # Budget for the fp32 logits block. On CUDA this keeps the op within ~0.5 GiB of its inputs and
@@ -151,8 +151,9 @@ def topk_kl_forward(
 ):
     """Loss, stats [4] and the gradients (grad_hidden, grad_weight or None for each).
 
-    ``value_checks`` (from ``check_inputs``) is launched behind the first logits GEMM and read
-    before the first weight-gradient GEMM, the first write outside the op's own buffers.
+    ``value_checks`` (from ``check_inputs``) is launched behind the first logits GEMM and read once
+    the first chunk's passes are queued, before its gradient GEMMs: before the weight gradient goes
+    into ``main_grad``, the first write outside the op's own buffers.
     """
     group = opts.tp_group
     rank = group_rank(group)
@@ -272,6 +273,9 @@ def topk_kl_forward(
                 g = chunk_math.logit_grad_(block, coefs, teacher, label_idx, tau)
                 g = g.to(gemm_dtype)  # no copy unless mixed-precision GEMMs follow
 
+        if start == 0:  # before any write outside the op's buffers; the GPU has work queued meanwhile
+            value_checks.raise_if_bad()
+            _check_previous_grad_loss(weight)
         if need_grad:
             rows = end - start
             if need_grad_hidden:
@@ -281,9 +285,6 @@ def topk_kl_forward(
                     torch.mm(g, w_gemm, out=grad_h2d[start:end])
                 else:  # CPU with bf16/fp16 inputs: GEMM in fp32, cast on store
                     grad_h2d[start:end] = g @ w_gemm
-            if start == 0:  # the GPU has this chunk's work queued while we wait
-                value_checks.raise_if_bad()
-                _GradOneCheck.raise_if_bad(weight)
             if need_grad_weight:
                 h_w = h_c_gemm
                 if row_scale is not None:  # Gᵀ·h = Xᵀ·(σ·h)
@@ -295,7 +296,6 @@ def topk_kl_forward(
                     grad_w_acc.addmm_(g.t(), h_w)
             del g
         del block
-    value_checks.raise_if_bad()  # no-op once read; without gradients, nothing was read in the loop
 
     row_loss = (opts.kd_weight * tau * tau) * kd_rows
     if has_labels and opts.ce_weight != 0:
@@ -318,36 +318,22 @@ def topk_kl_forward(
     return loss, stats, grad_hidden, grad_weight
 
 
-class _GradOneCheck:
-    """With main_grad fusion the weight gradient was added in forward for an incoming gradient of 1.
-    Reading grad_loss in backward would stall the host until the forward's GEMMs finish (and with
-    it every backward kernel behind them), so backward copies it to the host without waiting and
-    the op's next call on the same weight checks it, where it waits for its own inputs anyway."""
+# With main_grad fusion the weight gradient is added in forward, for an incoming gradient of 1.
+# Reading grad_loss in backward would stall the host until the forward's GEMMs finish (and every
+# backward kernel behind them), so backward leaves a HostCopy of it on the weight and the op's next
+# call on that weight checks it, where it waits for its own value checks anyway.
+_GRAD_LOSS_ATTR = "_fused_topk_kl_grad_loss"
 
-    ATTR = "_fused_topk_kl_grad_loss"
 
-    def __init__(self, grad_loss: torch.Tensor):
-        self.value = torch.empty((), dtype=torch.float64, pin_memory=grad_loss.is_cuda)
-        self.value.copy_(grad_loss.detach(), non_blocking=True)
-        self.event = torch.cuda.Event() if grad_loss.is_cuda else None
-        if self.event is not None:
-            self.event.record()
-
-    @classmethod
-    def raise_if_bad(cls, weight: torch.Tensor) -> None:
-        pending = weight.__dict__.pop(cls.ATTR, None)
-        if pending is None:
-            return
-        if pending.event is not None:
-            pending.event.synchronize()
-        got = pending.value.item()
-        if got != 1.0:
-            raise RuntimeError(
-                "fused_topk_kl(gradient_accumulation_fusion=True) adds the weight gradient to main_grad "
-                f"in forward, so the loss must be backpropagated with gradient 1; the previous backward "
-                f"passed {got}, and main_grad holds that step's gradient unscaled: train in bf16 with "
-                "per-token loss (no loss scaling)"
-            )
+def _check_previous_grad_loss(weight: torch.Tensor) -> None:
+    pending = weight.__dict__.pop(_GRAD_LOSS_ATTR, None)
+    if pending is not None and (got := pending.get().item()) != 1.0:
+        raise RuntimeError(
+            "fused_topk_kl(gradient_accumulation_fusion=True) adds the weight gradient to main_grad "
+            f"in forward, so the loss must be backpropagated with gradient 1; the previous backward "
+            f"passed {got}, and main_grad holds that step's gradient unscaled: train in bf16 with "
+            "per-token loss (no loss scaling)"
+        )
 
 
 def _dummy_wgrad(weight: torch.Tensor) -> torch.Tensor:
@@ -384,7 +370,7 @@ class FusedTopKKLFunction(torch.autograd.Function):
             grad_weight = grad_weight * grad_loss.to(grad_weight.dtype) if grad_weight is not None else None
         else:
             weight = ctx.fused_weight
-            setattr(weight, _GradOneCheck.ATTR, _GradOneCheck(grad_loss))
+            setattr(weight, _GRAD_LOSS_ATTR, HostCopy(grad_loss.detach()))
             if hasattr(weight, "grad_added_to_main_grad"):
                 weight.grad_added_to_main_grad = True
                 grad_weight = _dummy_wgrad(weight)
