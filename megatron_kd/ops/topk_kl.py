@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron_kd.ops.comm import group_size
 
 TAILS = ("none", "renorm", "ghost")
+DIVERGENCES = ("forward", "reverse", "jsd")
 REDUCTIONS = ("sum", "mean")
 IMPLS = ("auto", "torch", "triton")
 
