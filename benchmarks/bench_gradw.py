@@ -4,7 +4,7 @@ starts its accumulator from main_grad.
 Why: at GPT-OSS 32K the fused loss runs 12 of these per step (G: one chunk's [c, V] bf16 logit
 gradient, h: its [c, 2880] hidden states, main_grad: Megatron's fp32 [V, 2880] buffer). cuBLAS
 (beta = 1) takes 4.79 ms each where its bf16 GEMM of the same work takes ~3.96: the read and write of
-the 2.3 GB fp32 accumulator are not hidden behind the math (benchmarks/RESULTS.md, session 6). A
+the 2.3 GB fp32 accumulator are not hidden behind the math (benchmarks/RESULTS.md, the 2749d58 entry). A
 kernel whose tiles start from main_grad instead of zeros pays that traffic inside the main loop.
 This script measures whether such a Triton kernel beats cuBLAS on these shapes before the loss
 uses it.

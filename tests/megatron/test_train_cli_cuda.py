@@ -108,7 +108,7 @@ def _scalars(tb_dir: Path, tag: str) -> dict[int, float]:
 # resetting its loss accumulators ("so normal interval stats remain accurate"), so the next line
 # averages two iterations. With --log-interval 1 that is iteration 2 of a fresh run and iteration 8
 # of the run resumed at 6, which is why the log's iteration 8 reads (l7 + l8) / 2 after the resume.
-# Probed on one H200 (2026-11-30, session 4): the 24 micro-batches of the straight and of the
+# Probed on one H200 (2026-11-30, commit 859a96c): the 24 micro-batches of the straight and of the
 # killed + resumed runs had identical tokens and teacher rows (hashes), identical loss sums and
 # identical parameters (checksums) before each.
 def test_killed_distillation_resumes_with_the_same_losses(tmp_path):
