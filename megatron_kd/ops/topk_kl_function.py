@@ -34,7 +34,8 @@ from megatron_kd.ops.comm import (
     group_rank,
     reduce_scatter_first_dim,
 )
-from megatron_kd.ops.topk_kl import HostCopy, PendingValueChecks, TopKKLOptions
+from megatron_kd.ops.topk_kl_options import TopKKLOptions
+from megatron_kd.ops.value_checks import HostCopy, PendingValueChecks
 
 _MiB = 1 << 20
 # Budget for the fp32 logits block. On CUDA this keeps the op within ~0.5 GiB of its inputs and

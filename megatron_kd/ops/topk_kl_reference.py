@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.ops.comm import group_size
-from megatron_kd.ops.topk_kl import TopKKLOptions, check_inputs, unpack_stats
+from megatron_kd.ops.topk_kl_options import TopKKLOptions, check_inputs, unpack_stats
 
 
 def _full_vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, opts: TopKKLOptions) -> torch.Tensor:
