@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -9,11 +10,18 @@ from tqdm import tqdm
 
 from megatron_kd.cache.codec import CacheError
 from megatron_kd.cache.reader import CacheReader
-from megatron_kd.cache.store import read_root_meta
+from megatron_kd.cache.store import read_root_meta, stat_regular
 
 
 def store_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    """Bytes of every file under ``path``: stats only, links to folders not followed; anything but a
+    folder or a regular file (a FIFO, a device, a link to one) is a CacheError naming it."""
+    total = 0
+    for folder, _, files in os.walk(path):
+        for name in files:
+            st = stat_regular(Path(folder) / name, limit=1 << 62)  # no bound: the size is what is asked
+            total += 0 if st is None else st.st_size  # None: a temporary file renamed meanwhile
+    return total
 
 
 def _scan(reader: CacheReader, desc: str, progress: bool):
@@ -30,16 +38,22 @@ def _scan(reader: CacheReader, desc: str, progress: bool):
 
 
 def verify(path, *, progress: bool = True) -> dict:
-    """Check metadata, every partition's metadata and rows_done, that every shard file exists, and
+    """Check metadata, every partition's metadata and rows_done, that every shard has its binding
+    record naming this store and its place and every shard file its recorded size and CRC32C, and
     that every chunk of every partition, the last block included, decodes (CRC32C-checked).
 
     Raises CacheError with one line naming the file and the problem; returns a summary.
     """
-    reader = CacheReader(path)  # root metadata, schema version, completion record
+    reader = CacheReader(path)  # root metadata, schema version, store_id, completion record
     meta = reader.meta
     for rank in range(meta.dp_size):
-        reader._partition(rank)  # zarr.json of the partition and its arrays, rows_done (every row done)
-    files = reader.check_files()  # every shard file is there
+        # zarr.json of the partition and its arrays, rows_done (every row done), no stray records
+        stray = reader._partition(rank).bindings.unexpected_records()
+        if stray:
+            raise CacheError(f"{stray[0]}: not the binding record of a shard of partition {rank} (records are "
+                             f"NNNNNN.json for its {reader._partition(rank).bindings.num_shards} shards)")
+    files = reader.check_files()  # every shard has its record, bound to its place; every file its recorded size
+    # then every block decodes, each shard file hashed against its record on first touch
     tokens = 0
     for ids, lps in _scan(reader, "verify", progress):
         tokens += ids.shape[0] * ids.shape[1]
@@ -54,7 +68,8 @@ def inspect(path, *, progress: bool = True) -> dict:
     path = Path(path)
     meta = read_root_meta(path)
     summary = {
-        "path": str(path), "complete": meta.complete, "schema_version": meta.schema_version,
+        "path": str(path), "store_id": meta.store_id, "complete": meta.complete,
+        "schema_version": meta.schema_version,
         "mode": meta.mode, "samples": meta.num_samples, "seq_length": meta.seq_length,
         "tokens": meta.num_samples * meta.seq_length, "topk": meta.topk, "vocab_size": meta.vocab_size,
         "temperature": meta.temperature, "dp_size": meta.dp_size, "micro_batch_size": meta.micro_batch_size,

@@ -2,17 +2,28 @@
 
 Stored as the ``megatron_kd`` attribute of the store's root group (zarr.json). Everything in it is
 deterministic, so a resumed build ends with the same bytes as an uninterrupted one.
+
+``store_id`` names the store: the first 32 hex digits of the SHA-256 of the canonical JSON of every
+field but ``complete`` (what was captured, from which teacher, tokenizer and dataset, how it is laid
+out and encoded). Every shard's binding record (binding.py) carries it, so a shard copied with its
+record from a cache of another teacher, dataset or shape names another store. It is derived, not
+random: two builds with the same parameters are the same store, byte for byte, and a resumed build
+stays identical to an uninterrupted one. The stored value is checked against the recomputed one on
+open.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 from megatron_kd.cache.codec import LOGPROB_SCALE, PAD_CODE, CacheError
 from megatron_kd.cache.layout import PartitionLayout
 
-SCHEMA_VERSION = 1
+# 2: shard binding records and store_id (a version-1 store has neither and is refused)
+SCHEMA_VERSION = 2
 ATTR_KEY = "megatron_kd"
 MODES = ("topk", "sampled")
 FINGERPRINTS = ("teacher_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint")
@@ -76,9 +87,27 @@ class CacheMeta:
                         "last_sample": int(samples[-1]) if len(samples) else None})
         return out
 
+    def identity(self) -> dict:
+        """Every field that says what the store holds: all but the completion record. Temperature
+        as a float, so 1 and 1.0 (equal, hence accepted on resume) name the same store."""
+        ident = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "complete"}
+        if isinstance(ident["temperature"], int) and not isinstance(ident["temperature"], bool):
+            ident["temperature"] = float(ident["temperature"])
+        return ident
+
+    @property
+    def store_id(self) -> str:
+        try:
+            canonical = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                                   allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CacheError(f"cache metadata is not plain JSON ({e}); 'extra' must hold JSON values only") from None
+        return hashlib.sha256(canonical.encode("ascii")).hexdigest()[:32]
+
     def to_attrs(self) -> dict:
         attrs = asdict(self)
         attrs["partitions"] = self.partitions()
+        attrs["store_id"] = self.store_id
         return attrs
 
     @classmethod
@@ -91,6 +120,10 @@ class CacheMeta:
         if version > SCHEMA_VERSION:
             raise CacheError(f"{path}: written by a newer megatron_kd (schema_version {version} > "
                              f"{SCHEMA_VERSION} supported); upgrade megatron_kd to read it")
+        if version < SCHEMA_VERSION:
+            raise CacheError(f"{path}: {ATTR_KEY}.schema_version is {version}, expected {SCHEMA_VERSION}: schema_version "
+                             f"{version} has no chunk binding (a shard moved or copied from another cache reads as "
+                             f"this one's); rebuild the cache with this megatron_kd")
         names = {f.name for f in fields(cls)}
         missing = [n for n in _COUNTS if n not in attrs and n != "sampled_draws"]
         if missing:
@@ -100,6 +133,9 @@ class CacheMeta:
         if "partitions" in attrs and attrs["partitions"] != meta.partitions():
             raise CacheError(f"{path}: {ATTR_KEY}.partitions is {attrs['partitions']!r}, expected "
                              f"{meta.partitions()!r} (from num_samples, dp_size, micro_batch_size)")
+        if attrs.get("store_id") != meta.store_id:
+            raise CacheError(f"{path}: {ATTR_KEY}.store_id is {attrs.get('store_id')!r}, expected {meta.store_id!r} "
+                             f"(the digest of the other fields: one of them was changed after the build)")
         return meta
 
     def _check(self, path: str) -> None:

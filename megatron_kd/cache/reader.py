@@ -3,8 +3,11 @@
 The reader maps a global sample index to (partition, row) with the capture's layout, so any
 data-parallel size reads correctly; with the capture's dp_size and micro_batch_size a rank's
 samples are its own partition's rows in order, and ``prefetch`` streams them from consecutive
-shards on a background thread. A shard file that is missing or fails its checksum is a CacheError
-naming it, never fill values; ``check_files`` is the cheap start-up form of that check.
+shards on a background thread. A shard file that is missing, fails its checksum or does not match
+its binding record (binding.py: moved, swapped, copied from another cache) is a CacheError naming
+it, never another sample's rows or fill values. The first read of a shard file in a process hashes
+it whole (CRC32C, several GB/s, and the file is then in the page cache for zarr); later reads of an
+unchanged file cost one stat. ``check_files`` is the cheap start-up form of the check (stats only).
 """
 
 from __future__ import annotations
@@ -12,15 +15,18 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import zarr
 
+from megatron_kd.cache.binding import PartitionBindings
 from megatron_kd.cache.codec import CacheError, decode_topk
 from megatron_kd.cache.meta import CacheMeta, check_expected
 from megatron_kd.cache.store import (
-    block_rows,
+    ARRAYS,
     open_partition,
     open_root,
     partition_attrs,
@@ -28,9 +34,16 @@ from megatron_kd.cache.store import (
     read_done,
     read_root_meta,
     read_rows,
-    require_files,
     strict,
 )
+
+
+@dataclass
+class _Partition:
+    ids: zarr.Array  # strict: a missing shard file is an error, not fill values
+    logprobs: zarr.Array
+    done: np.ndarray  # bool [rows]
+    bindings: PartitionBindings
 
 
 class CacheReader:
@@ -54,7 +67,7 @@ class CacheReader:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.ids_dtype = ids_dtype
         self._root = open_root(self.path)
-        self._partitions: dict[int, tuple] = {}
+        self._partitions: dict[int, _Partition] = {}
         self._last_chunk = None  # ((rank, first row), (id gaps, codes)) of the last small read
         self._lock = threading.Lock()
 
@@ -74,14 +87,15 @@ class CacheReader:
                 missing.append(f"{name} has {int(done.sum())}/{self.meta.layout.rows_of(rank)} samples")
         return ", ".join(missing) or "completion record missing"
 
-    def _partition(self, rank: int):
-        """(ids, logprobs, rows_done) of a partition, its metadata checked; ids / logprobs read a
-        missing shard file as an error, never as fill values."""
+    def _partition(self, rank: int) -> _Partition:
+        """A partition's arrays, rows_done and binding records, its metadata checked."""
         with self._lock:
             if rank not in self._partitions:
                 group = open_partition(self._root, self.meta, rank, path=self.path)
                 done = read_done(self.path, group, rank)
-                self._partitions[rank] = (strict(group["ids"]), strict(group["logprobs"]), done)
+                arrays = {name: strict(group[name]) for name in ARRAYS}
+                self._partitions[rank] = _Partition(arrays["ids"], arrays["logprobs"], done,
+                                                    PartitionBindings(self.path, self.meta.store_id, rank, arrays))
             return self._partitions[rank]
 
     def _in_range(self, samples) -> np.ndarray:
@@ -93,17 +107,18 @@ class CacheReader:
         return samples
 
     def _require_written(self, rank: int, rows: np.ndarray, samples: np.ndarray) -> None:
-        done = self._partition(rank)[2]
+        done = self._partition(rank).done
         if not done[rows].all():
             missing = int(np.flatnonzero(~done[rows])[0])
             raise CacheError(f"{self.path / partition_name(rank)}: sample {int(samples[missing])} "
                              f"(row {int(rows[missing])}) was never written")
 
     def check_files(self, samples: Iterable[int] | None = None) -> int:
-        """Start-up check, cheap (metadata, rows_done, then one stat per shard file; nothing decoded):
-        every partition that reading ``samples`` (default: all) touches opens, lists those rows as
-        written, and has every shard file holding them. CacheError naming the first missing file;
-        returns how many shard files were checked."""
+        """Start-up check, cheap (metadata, rows_done, binding records, one stat per shard file;
+        nothing decoded or hashed): every partition that reading ``samples`` (default: all) touches
+        opens and lists those rows as written, each shard holding them has its binding record naming
+        this store, partition and shard, and each of its files is there with the recorded size.
+        CacheError naming the first file that is not; returns how many shard files were checked."""
         if samples is None:
             samples = range(self.meta.num_samples)
         samples = self._in_range(samples if isinstance(samples, (range, np.ndarray)) else list(samples))
@@ -117,9 +132,10 @@ class CacheReader:
                 continue
             rank = int(ranks[a])
             self._require_written(rank, rows[a:b], samples[a:b])
-            ids_arr, lps_arr, _ = self._partition(rank)
-            blocks = np.unique(rows[a:b] // block_rows(ids_arr))
-            checked += require_files(self.path, ids_arr, blocks) + require_files(self.path, lps_arr, blocks)
+            bindings = self._partition(rank).bindings
+            for shard in np.unique(rows[a:b] // bindings.shard_rows):
+                bindings.check_sizes(int(shard))
+                checked += len(ARRAYS)
         return checked
 
     def read(self, sample_idx) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,9 +153,9 @@ class CacheReader:
                            ids_dtype=self.ids_dtype)
 
     def _read_rows(self, rank: int, r0: int, r1: int, samples: np.ndarray):
-        ids_arr, lps_arr, done = self._partition(rank)
+        part = self._partition(rank)
         self._require_written(rank, np.arange(r0, r1), samples)
-        chunk = ids_arr.chunks[0]
+        chunk = part.ids.chunks[0]
         if r1 - r0 < chunk:
             # Small reads (a DataLoader asking sample by sample) decode the whole chunk anyway: keep
             # the last chunk decoded so its neighbours come from memory.
@@ -147,14 +163,17 @@ class CacheReader:
             if r1 <= c0 + chunk:
                 key = (rank, c0)
                 if self._last_chunk is None or self._last_chunk[0] != key:
-                    self._last_chunk = (key, self._zarr_rows(ids_arr, lps_arr, c0, min(c0 + chunk, len(done))))
+                    self._last_chunk = (key, self._zarr_rows(part, c0, min(c0 + chunk, len(part.done))))
                 ids, lps = self._last_chunk[1]
                 return ids[r0 - c0:r1 - c0], lps[r0 - c0:r1 - c0]
-        return self._zarr_rows(ids_arr, lps_arr, r0, r1)
+        return self._zarr_rows(part, r0, r1)
 
-    def _zarr_rows(self, ids_arr, lps_arr, r0: int, r1: int):
-        # a missing, truncated or corrupted shard file: CacheError naming it
-        return read_rows(self.path, ids_arr, r0, r1), read_rows(self.path, lps_arr, r0, r1)
+    def _zarr_rows(self, part: _Partition, r0: int, r1: int):
+        # each shard file bound to its place before zarr opens it (a stat once it has been hashed),
+        # then a missing, truncated or corrupted one is a CacheError naming it
+        for shard in range(r0 // part.bindings.shard_rows, (r1 - 1) // part.bindings.shard_rows + 1):
+            part.bindings.check_content(shard)
+        return read_rows(self.path, part.ids, r0, r1), read_rows(self.path, part.logprobs, r0, r1)
 
     def prefetch(self, samples: Iterable[int], *, block: int | None = None, depth: int = 4) -> Iterator:
         """Yield (sample_idx, ids [seq, K], logprobs [seq, K]) for ``samples`` in order, decoding

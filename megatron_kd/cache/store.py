@@ -12,16 +12,22 @@ next to decoding) and a shard file holds ``rows_per_shard`` consecutive rows of 
 rank that trains with the capture's layout reads its shards in order; rows_done has one chunk per
 shard.
 
+    <path>/dp_00003/bindings/000012.json  binding record of shard 12 (binding.py)
+
 Integrity: every binary file carries a CRC32C (ids / logprobs chunks and shard indexes, rows_done
 chunks) and every zarr.json is parsed and checked here against the root metadata before zarr
 opens it, so damage anywhere is one CacheError naming the file. Zarr reads a file that is not
 there as fill values; here a shard or rows_done chunk that should exist (its rows are marked done,
-or its partition is complete) and does not is an error instead.
+or its partition is complete) and does not is an error instead. Every file is opened only if it is
+a regular file (a symbolic link to one is fine) of bounded size: a FIFO in place of a shard would
+block zarr's read forever, a link to /dev/zero would read until memory runs out.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +43,8 @@ LOCK_FILE = ".writer.lock"
 # Shards of about this many raw bytes: large sequential files, bounded writer buffers.
 SHARD_TARGET_BYTES = 64 << 20
 BYTES_PER_ENTRY = 6  # uint32 id gap + uint16 code
+# zarr.json documents and binding records are a few KiB; anything this large is not one
+JSON_LIMIT = 16 << 20
 
 
 def partition_name(rank: int) -> str:
@@ -72,15 +80,61 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
 
 
-def load_json(file: Path) -> dict:
-    """A zarr.json document; CacheError naming the file when it is missing, not UTF-8 JSON, or not
-    a JSON object (random bytes, ``[]``, a torn write)."""
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _check_regular(file: Path, st: os.stat_result, limit: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise CacheError(f"{file}: not a regular file ({_kind(st.st_mode)}); the store holds only regular files")
+    if st.st_size > limit:
+        raise CacheError(f"{file}: {st.st_size} bytes, more than the {limit} a file of this kind can hold "
+                         f"(not written by this store's writer)")
+
+
+def stat_regular(file: Path, limit: int) -> os.stat_result | None:
+    """The stat of ``file`` (symbolic links followed) if it is a regular file of at most ``limit``
+    bytes; None if it does not exist; CacheError naming it otherwise. One stat, nothing opened."""
     try:
-        raw = file.read_bytes()
-    except FileNotFoundError:
+        st = os.stat(file)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise CacheError(f"{file}: unreadable ({e.strerror})") from None
+    _check_regular(file, st, limit)
+    return st
+
+
+def read_regular(file: Path, limit: int) -> bytes:
+    """The bytes of ``file``, a regular file of at most ``limit`` bytes; CacheError naming it when it
+    is missing, something else (FIFO, device, directory) or larger. Opened non-blocking, so a FIFO
+    is refused at once instead of waiting for a writer; the type is checked on the open descriptor."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
         raise CacheError(f"{file}: missing") from None
     except OSError as e:
         raise CacheError(f"{file}: unreadable ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        _check_regular(file, os.fstat(fd), limit)
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise CacheError(f"{file}: unreadable ({e.strerror})") from None
+    if len(data) > limit:
+        raise CacheError(f"{file}: more than the {limit} bytes a file of this kind can hold (still growing?)")
+    return data
+
+
+def load_json(file: Path) -> dict:
+    """A zarr.json document (or binding record); CacheError naming the file when it is missing, not a
+    regular file of at most JSON_LIMIT bytes, not UTF-8 JSON, or not a JSON object (random bytes,
+    ``[]``, a torn write)."""
+    raw = read_regular(file, JSON_LIMIT)
     try:
         doc = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
@@ -117,7 +171,7 @@ def read_root_meta(path: str | Path) -> CacheMeta:
     """The CacheMeta stored at ``path``; CacheError when there is no megatron_kd cache there."""
     path = Path(path)
     root_json = path / "zarr.json"
-    if not root_json.is_file():
+    if not os.path.lexists(root_json):
         raise CacheError(f"{path}: no zarr.json; not a megatron_kd cache (or not written yet)")
     attrs = _zarr_node(load_json(root_json), root_json, "group").get(ATTR_KEY)
     if attrs is None:
@@ -205,6 +259,15 @@ def block_file(path, arr: zarr.Array, block: int) -> Path:
     return Path(path) / arr.path / arr.metadata.encode_chunk_key((block,) + (0,) * (arr.ndim - 1))
 
 
+def block_limit(arr: zarr.Array) -> int:
+    """The most bytes one file of ``arr`` can hold: twice its raw bytes (blosc and zstd never expand
+    data that much), plus room for per-chunk headers, checksums and the shard index."""
+    rows = block_rows(arr)
+    raw = rows * int(np.prod(arr.shape[1:], dtype=np.int64)) * arr.dtype.itemsize
+    chunks_per_block = rows // arr.chunks[0]
+    return 2 * raw + 64 * chunks_per_block + (64 << 10)
+
+
 def strict(arr: zarr.Array) -> zarr.Array:
     """``arr`` reading a missing file as an error, not as fill values."""
     return arr.with_config({"read_missing_chunks": False})
@@ -236,6 +299,9 @@ def read_done(path, group: zarr.Group, rank: int) -> np.ndarray:
     is complete (then a missing chunk is an error; before, it is rows not written yet)."""
     arr = group[DONE]
     complete = bool(group.attrs["complete"])
+    limit = block_limit(arr)
+    for block in range(-(-arr.shape[0] // block_rows(arr))):  # before zarr opens any of them
+        stat_regular(block_file(path, arr, block), limit)
     raw = read_rows(path, strict(arr) if complete else arr, 0, arr.shape[0], missing_ok=not complete)
     bad = np.flatnonzero(raw > 1)
     if len(bad):
@@ -247,20 +313,3 @@ def read_done(path, group: zarr.Group, rank: int) -> np.ndarray:
         raise CacheError(f"{block_file(path, arr, row // block_rows(arr))}: row {row} is not marked done, expected "
                          f"every row done (partition {rank} is marked complete)")
     return done
-
-
-def require_files(path, arr: zarr.Array, blocks) -> int:
-    """Cheap existence check (one stat each, nothing decoded) of ``arr``'s files for ``blocks``;
-    CacheError naming the first one missing or empty. Returns how many were checked."""
-    n = 0
-    for block in blocks:
-        file = block_file(path, arr, int(block))
-        try:
-            size = file.stat().st_size
-        except FileNotFoundError:
-            raise CacheError(f"{file}: missing (rows from {int(block) * block_rows(arr)} of {arr.path}); the "
-                             f"store records them as written") from None
-        if size == 0:
-            raise CacheError(f"{file}: empty, expected a shard of rows {int(block) * block_rows(arr)}.. of {arr.path}")
-        n += 1
-    return n

@@ -3,11 +3,23 @@
 Ranks write concurrently, each only its own partition group; the root zarr.json is created once
 with content every rank agrees on, and rewritten only by whichever rank completes the last
 partition. Samples are buffered until a shard's rows are all present, then the shard is written in
-one piece and only then are its rows marked in ``rows_done`` (zarr writes each file under a
-temporary name and renames it into place), so a row marked done is always on disk and a killed
-build loses at most the shards it was filling. Opening a writer again on the same path with the
-same parameters resumes: rows already done are skipped (``pending_samples`` lists the rest) and the
-finished store is byte-identical to an uninterrupted build.
+one piece, then its binding record (binding.py: store, place, size and CRC32C of each file), and
+only then are its rows marked in ``rows_done`` (zarr writes each file under a temporary name and
+renames it into place; so does the record), so a row marked done is always on disk and bound, and a
+killed build loses at most the shards it was filling. Opening a writer again on the same path with
+the same parameters resumes: rows already done are skipped (``pending_samples`` lists the rest) and
+the finished store is byte-identical to an uninterrupted build.
+
+Resuming trusts rows_done only as far as the disk backs it: a shard whose rows are marked done but
+whose record is missing or names another store or place, or whose files are missing or not the
+recorded size (a partly written shard, rewritten on resume: not the recorded CRC32C either, the
+window between its data and its record), is not done. Its rows are un-marked (the partition's and
+the store's completion records first, then its rows_done chunk, then the record and the files), so
+``pending_samples`` lists them again and writing them restores the store; ``repaired_samples`` and
+``repairs`` say what was un-marked and why, for the caller to report (the library prints nothing).
+
+Any OSError while writing (a read-only store, permissions, a full disk) is one CacheError naming
+the file.
 
 One writer per partition: the writer holds an exclusive flock on the partition's lock file until
 ``close``; a second writer on the same rank gets a CacheError. The OS drops the lock with the
@@ -16,18 +28,25 @@ process, so a killed writer leaves no stale lock.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import os
+import re
+import stat
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import zarr
 
+from megatron_kd.cache.binding import PartitionBindings
 from megatron_kd.cache.codec import CacheBusyError, CacheError, encode_topk
 from megatron_kd.cache.meta import ATTR_KEY, METADATA_KEYS, MODES, CacheMeta
 from megatron_kd.cache.store import (
     ARRAYS,
     DONE,
     LOCK_FILE,
+    block_file,
     create_partition,
     default_rows_per_shard,
     open_partition,
@@ -41,8 +60,25 @@ from megatron_kd.cache.store import (
 )
 
 
-def _open_or_create_root(path: Path, meta: CacheMeta) -> zarr.Group:
-    if not (path / "zarr.json").exists():
+# zarr's temporary file names (<target>.<uuid hex>.partial) and the binding records' (<target>.partial)
+_TEMP_SUFFIX = re.compile(r"(\.[0-9a-f]{32})?\.partial$")
+
+
+@contextmanager
+def _os_errors(where: Path):
+    """An OSError inside (read-only store, permission, disk full, a file where a folder belongs) as
+    one CacheError naming the file it hit (``where`` when it names none)."""
+    try:
+        yield
+    except OSError as e:
+        file = _TEMP_SUFFIX.sub("", str(e.filename)) if e.filename else str(where)
+        raise CacheError(f"{file}: cannot write the cache ({e.strerror or e}); the writer needs write access and "
+                         f"free space there") from None
+
+
+def _open_or_create_root(path: Path, meta: CacheMeta) -> tuple[zarr.Group, CacheMeta]:
+    """The root group for writing and the stored metadata (equal to ``meta`` in every field)."""
+    if not os.path.lexists(path / "zarr.json"):
         try:
             zarr.create_group(store=str(path), attributes={ATTR_KEY: meta.to_attrs()}, zarr_format=3)
         except zarr.errors.ContainsGroupError:
@@ -51,7 +87,7 @@ def _open_or_create_root(path: Path, meta: CacheMeta) -> zarr.Group:
     for name, have, want in stored.mismatches(meta):
         raise CacheError(f"{path}: existing cache has {name}={have!r}, this writer has {name}={want!r}; "
                          f"use another path or the original parameters")
-    return open_root(path, mode="r+")
+    return open_root(path, mode="r+"), stored
 
 
 def _lock_partition(path: Path, rank: int):
@@ -60,8 +96,12 @@ def _lock_partition(path: Path, rank: int):
     part = path / partition_name(rank)
     part.mkdir(parents=True, exist_ok=True)
     file = part / LOCK_FILE
-    handle = open(file, "ab")
+    # non-blocking: a FIFO in its place is refused at once (ENXIO, or not a regular file below)
+    handle = os.fdopen(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC, 0o644),
+                       "ab")
     try:
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            raise CacheError(f"{file}: not a regular file; the partition's lock must be one")
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
@@ -71,6 +111,9 @@ def _lock_partition(path: Path, rank: int):
         handle.close()
         raise CacheError(f"{file}: cannot lock partition {rank} ({e.strerror}); the cache needs a filesystem "
                          f"with flock") from None
+    except BaseException:
+        handle.close()
+        raise
     return handle
 
 
@@ -79,6 +122,10 @@ class CacheWriter:
 
     ``metadata`` may set temperature, mode ("topk" / "sampled"), sampled_draws, the
     teacher / tokenizer / dataset fingerprints, and "extra" (any JSON-serializable dict).
+
+    After opening, ``repaired_samples`` holds the global indices of samples that rows_done listed
+    as written but whose shard was not on disk as its binding record says (now pending again), and
+    ``repairs`` one line per such shard saying why.
     """
 
     def __init__(self, path, *, vocab_size: int, topk: int, seq_length: int, num_samples: int,
@@ -98,32 +145,81 @@ class CacheWriter:
                 raise ValueError(f"{name} must be positive, got {value}")
         self.path = Path(path)
         self.rank = dp_rank
+        self._lock = None
         probe = CacheMeta(vocab_size, topk, seq_length, num_samples, dp_size, micro_batch_size, 1)
         max_rows = max(probe.layout.rows_of(r) for r in range(dp_size))
-        self.meta = CacheMeta(
+        meta = CacheMeta(
             vocab_size=vocab_size, topk=topk, seq_length=seq_length, num_samples=num_samples,
             dp_size=dp_size, micro_batch_size=micro_batch_size,
             rows_per_shard=rows_per_shard or default_rows_per_shard(seq_length, topk, max_rows),
             **metadata,
         )
-        self.root = _open_or_create_root(self.path, self.meta)
-        self._lock = _lock_partition(self.path, dp_rank)
-        try:
-            if partition_attrs(self.path, self.meta, dp_rank) is not None:
-                self.group = open_partition(self.root, self.meta, dp_rank, path=self.path)
-            else:
-                self.group = create_partition(self.root, self.meta, dp_rank)
-            if not self.group.attrs["complete"]:
-                # a killed writer can leave zarr's temporary files behind; under the lock none is in flight
-                for stale in (self.path / partition_name(dp_rank)).rglob("*.partial"):
-                    stale.unlink(missing_ok=True)
-            self.samples = self.meta.layout.samples_of(dp_rank)
-            self.shard_rows = self.group["ids"].shards[0]
-            self.done = read_done(self.path, self.group, dp_rank)
-        except BaseException:
-            self._unlock()
-            raise
+        with _os_errors(self.path):
+            self.root, stored = _open_or_create_root(self.path, meta)
+            # the stored fields (equal to ours, and exactly what store_id digests), without its completion
+            self.meta = dataclasses.replace(stored, complete=False)
+            self._lock = _lock_partition(self.path, dp_rank)
+            try:
+                self._open_partition()
+            except BaseException:
+                self._unlock()
+                raise
         self._buffers: dict[int, dict] = {}  # shard index -> {"ids", "logprobs", "filled"}
+
+    def _open_partition(self) -> None:
+        if partition_attrs(self.path, self.meta, self.rank) is not None:
+            self.group = open_partition(self.root, self.meta, self.rank, path=self.path)
+        else:
+            self.group = create_partition(self.root, self.meta, self.rank)
+        if not self.group.attrs["complete"]:
+            # a killed writer can leave temporary files behind (zarr's, the records'); under the lock
+            # none is in flight
+            for stale in (self.path / partition_name(self.rank)).rglob("*.partial"):
+                stale.unlink(missing_ok=True)
+        self.samples = self.meta.layout.samples_of(self.rank)
+        self.shard_rows = self.group["ids"].shards[0]
+        self.bindings = PartitionBindings(self.path, self.meta.store_id, self.rank,
+                                          {name: self.group[name] for name in ARRAYS})
+        self.done = read_done(self.path, self.group, self.rank)
+        unbound = self._unbound_shards()
+        self.repairs = list(unbound.values())
+        self.repaired_samples = self._unmark(sorted(unbound))
+
+    def _unbound_shards(self) -> dict[int, str]:
+        """Shards with rows marked done that are not on disk as their binding records say -> why."""
+        out = {}
+        for shard in range(self.bindings.num_shards):
+            start, stop = self.bindings.shard_range(shard)
+            done = self.done[start:stop]
+            if not done.any():
+                continue
+            try:
+                if done.all():  # a whole shard is never rewritten: its record and sizes suffice (stats)
+                    self.bindings.check_sizes(shard)
+                else:  # a partial one is rewritten on resume: the crash window between data and record
+                    self.bindings.check_content(shard)
+            except CacheError as e:
+                out[shard] = str(e)
+        return out
+
+    def _unmark(self, shards: list[int]) -> np.ndarray:
+        """Un-mark the rows of ``shards``; returns their global sample indices. Completion records go
+        first (root, then partition), then each rows_done chunk, then what is left of the shard: a
+        crash part-way leaves rows either marked and still checked on the next resume, or not marked."""
+        if not shards:
+            return np.zeros(0, np.int64)
+        if read_root_meta(self.path).complete:
+            self.root.attrs.update({ATTR_KEY: self.meta.to_attrs()})  # self.meta.complete is False
+        if self.group.attrs["complete"]:
+            self.group.attrs.update({"complete": False})
+        rows = []
+        for shard in shards:
+            start, stop = self.bindings.shard_range(shard)
+            block_file(self.path, self.group[DONE], shard).unlink(missing_ok=True)  # a missing chunk: not done
+            rows.extend(np.flatnonzero(self.done[start:stop]) + start)
+            self.done[start:stop] = False
+            self.bindings.discard(shard)
+        return self.samples[np.asarray(rows, np.int64)]
 
     def _unlock(self) -> None:
         if getattr(self, "_lock", None) is not None:
@@ -158,6 +254,10 @@ class CacheWriter:
     def write(self, sample_idx, topk_ids, topk_logprobs) -> int:
         """Store samples: ``sample_idx`` an int with [seq_length, K] tensors, or n indices with
         [n, seq_length, K]. Samples already on disk are skipped. Returns how many were new."""
+        with _os_errors(self.path / partition_name(self.rank)):
+            return self._write(sample_idx, topk_ids, topk_logprobs)
+
+    def _write(self, sample_idx, topk_ids, topk_logprobs) -> int:
         if self._lock is None:
             raise CacheError(f"{self.path / partition_name(self.rank)}: this writer is closed; open a new one "
                              f"to resume")
@@ -206,9 +306,13 @@ class CacheWriter:
         return buf
 
     def _flush(self, shard: int) -> None:
-        """Write a buffered shard (whole, or its filled rows when closing early) and mark its rows."""
+        """Write a buffered shard (whole, or its filled rows when closing early), bind it, mark its rows."""
         buf = self._buffers.pop(shard)
         start, stop = self._shard_range(shard)
+        if not self.done[start:stop].any():
+            # whatever lies there (a crashed write's files or record) is not bound: start the shard afresh,
+            # so zarr never reads it back while writing some rows
+            self.bindings.discard(shard)
         if buf["filled"].all():
             for name in ARRAYS:
                 self.group[name][start:stop] = buf[name]
@@ -216,7 +320,8 @@ class CacheWriter:
             for local in np.flatnonzero(buf["filled"] & ~self.done[start:stop]):
                 for name in ARRAYS:
                     self.group[name][start + local] = buf[name][local]
-        # rows_done after the data: a row marked done is always on disk
+        self.bindings.write(shard)  # the files as they are on disk now
+        # rows_done after the data and its record: a row marked done is always on disk and bound
         self.done[start:stop] |= buf["filled"]
         self.group[DONE][start:stop] = self.done[start:stop].astype(np.uint8)
 
@@ -227,13 +332,14 @@ class CacheWriter:
         if self._lock is None:  # closed already
             return bool(self.done.all())
         try:
-            for shard in sorted(self._buffers):
-                self._flush(shard)
-            if not self.done.all():
-                return False
-            if not self.group.attrs.get("complete"):
-                self.group.attrs.update({"complete": True})
-            self._complete_store_if_last()
+            with _os_errors(self.path / partition_name(self.rank)):
+                for shard in sorted(self._buffers):
+                    self._flush(shard)
+                if not self.done.all():
+                    return False
+                if not self.group.attrs.get("complete"):
+                    self.group.attrs.update({"complete": True})
+                self._complete_store_if_last()
             return True
         finally:
             self._unlock()

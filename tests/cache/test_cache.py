@@ -265,7 +265,7 @@ def test_truncated_shard_and_wrong_layout(tmp_path, seed, capsys):
     shard = sorted((tmp_path / "c" / "dp_00000" / "ids").rglob("c/*/*/*"))[0]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CacheError, match="unreadable"):
+    with pytest.raises(CacheError, match="truncated"):
         CacheReader(tmp_path / "c").read([0])
     assert cli_main(["cache", "verify", str(tmp_path / "c")]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]  # (tqdm also writes there)
