@@ -10,7 +10,12 @@ Rows of the output layer beyond ``vocab_size`` (Megatron pads the vocabulary to 
 128·tp) are not tokens: they are left out of both the top-K and the normalization.
 
 ``vocab_parallel_sample`` draws N tokens per position from the same distribution (Random-Sampling
-KD): the draws' counts, log(count / N), replace the top-K as an unbiased sparse teacher.
+KD): the draws' counts, log(count / N), replace the top-K as an unbiased sparse teacher. The draws
+are a function of (row key, draw number) and the row's probabilities only, never of a generator's
+state: draw j of a row is the inverse CDF at u_j = splitmix64(row key + (j + 1)·γ) (the j-th output
+of a splitmix64 stream started at the row key), and the teacher pass makes the row key from
+(seed, global sample index, position) (``sample_row_keys``). So a pass that is killed and resumed,
+or run with other micro-batch or chunk sizes, draws the same tokens for the same rows.
 """
 
 from __future__ import annotations
@@ -112,34 +117,97 @@ def vocab_parallel_topk(hidden: torch.Tensor, weight: torch.Tensor, k: int, *,
     return ids_out.view(*lead, k), lps_out.view(*lead, k)
 
 
+# splitmix64 (Steele, Lea, Flood 2014) in torch int64 arithmetic, which wraps like uint64 for + and *;
+# >> on int64 is arithmetic, so each shift is masked back to a logical one.
+_GAMMA = 0x9E3779B97F4A7C15 - (1 << 64)
+_MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MUL2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function on int64 words: a bijection whose outputs pass BigCrush for
+    consecutive inputs (``x + k·γ``)."""
+    x = (x ^ _shift_right(x, 30)) * _MUL1
+    x = (x ^ _shift_right(x, 27)) * _MUL2
+    return x ^ _shift_right(x, 31)
+
+
+def _absorb(state: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return splitmix64((state ^ value) + _GAMMA)
+
+
+def sample_row_keys(seed: int, sample_ids: torch.Tensor, seq_length: int) -> torch.Tensor:
+    """int64 [seq_length, b]: the key of position p of global sample ``sample_ids[i]`` (sequence-
+    first, as the teacher's hidden states are), a hash of (seed, sample index, position) alone."""
+    sample_ids = torch.as_tensor(sample_ids, dtype=torch.int64)
+    state = _absorb(torch.zeros((), dtype=torch.int64, device=sample_ids.device),
+                    torch.tensor(int(seed), dtype=torch.int64, device=sample_ids.device))
+    state = _absorb(state, sample_ids).unsqueeze(0)  # [1, b]
+    positions = torch.arange(seq_length, dtype=torch.int64, device=sample_ids.device).unsqueeze(1)
+    return _absorb(state, positions)  # [s, b]
+
+
+def draw_uniforms(row_keys: torch.Tensor, num_draws: int) -> torch.Tensor:
+    """float64 [..., num_draws] in [0, 1): draw j of each row from the row's 64-bit key (53 bits)."""
+    steps = torch.arange(1, num_draws + 1, dtype=torch.int64, device=row_keys.device) * _GAMMA
+    words = splitmix64(row_keys.unsqueeze(-1) + steps)
+    return _shift_right(words, 11).double() * 2.0 ** -53
+
+
 @torch.no_grad()
 def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws: int, *,
-                          generator: torch.Generator, tp_group: dist.ProcessGroup | None = None,
+                          row_keys: torch.Tensor, tp_group: dist.ProcessGroup | None = None,
                           vocab_size: int | None = None, temperature: float = 1.0,
                           chunk_size: int | None = None):
     """``num_draws`` tokens drawn per position from softmax(hidden·Wᵀ/τ), as (ids int64 [..., N],
     logprobs float32 [..., N]): the distinct drawn ids (ascending) with log(count / N), then
     padding (-1, -inf).
 
-    Two stages, so no rank needs the full distribution: every rank splits the N draws of a row
-    over the vocabulary shards by their probability mass (same ``generator`` state on every TP
-    rank, so all agree), then draws its share from its own shard (generator offset by rank).
+    ``row_keys`` int64 [...] (hidden's leading shape) keys each row's draws (``sample_row_keys``):
+    rows with the same key and logits get the same draws whatever else is in the batch.
+
+    Inverse CDF in two stages, so no rank needs the full distribution. Every rank turns the same
+    u into a shard, from the cumulative shard masses (the gathered per-rank (max, mass), in fp64:
+    identical on every TP rank), then the shard's owner turns the rest of u into an id by
+    searchsorted in its block's cumulative sum of exp(z - max). The cumulative sum is taken in
+    place in the block's own dtype (fp32 for bf16/fp32 teachers): no second [chunk, V_local]
+    block. fp32 prefix sums round each token's interval by about 2^-24 of the shard's mass, so only
+    tokens below ~1e-6 of it see their (tiny) draw probability distorted; an fp64 copy would double
+    the teacher pass's largest buffer for that.
     """
-    rank = group_rank(tp_group)
+    rank, tp = group_rank(tp_group), group_size(tp_group)
     vocab_local = weight.shape[0]
     lead, n = hidden.shape[:-1], num_draws
+    if tuple(row_keys.shape) != tuple(lead):
+        raise ValueError(f"row_keys {tuple(row_keys.shape)} must have hidden's leading shape {tuple(lead)}")
+    keys = row_keys.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     ids_out = torch.empty((*lead, n), dtype=torch.int64, device=hidden.device).view(-1, n)
     lps_out = torch.empty((*lead, n), dtype=torch.float32, device=hidden.device).view(-1, n)
-    local_gen = torch.Generator(device=hidden.device).manual_seed(int(generator.initial_seed()) + 7919 * (rank + 1))
     for a, b, z in _logits_chunks(hidden, weight, tp_group=tp_group, vocab_size=vocab_size,
-                                  temperature=temperature, chunk_size=chunk_size):
-        row_max, sumexp = _local_max_sumexp_(z)  # z now holds unnormalized local probabilities
-        stats = all_gather_stack(torch.stack([row_max, sumexp], -1), tp_group)  # [tp, c, 2]
+                                  temperature=temperature, chunk_size=chunk_size, extra_block=False):
+        row_max = z.amax(-1)
+        cum = z.sub_(row_max.unsqueeze(1)).exp_().cumsum_(-1)  # in place: exp, then prefix sums
+        local_mass = cum[:, -1].clone()  # >= 1: the row's largest entry is exp(0)
+        stats = all_gather_stack(torch.stack([row_max, local_mass], -1), tp_group).double()  # [tp, c, 2]
         shard_mass = (stats[..., 1] * (stats[..., 0] - stats[..., 0].amax(0)).exp()).t()  # [c, tp]
-        shard_of_draw = torch.multinomial(shard_mass, n, replacement=True, generator=generator)
-        mine = shard_of_draw == rank  # [c, n]: which of the row's draws this rank makes
-        draws = torch.multinomial(z, n, replacement=True, generator=local_gen) + rank * vocab_local
-        del z
+        shard_end = shard_mass.cumsum(-1)
+        shard_start = torch.cat([torch.zeros_like(shard_end[:, :1]), shard_end[:, :-1]], -1)
+        total = shard_end[:, -1:]
+        # below the total (u·total can round up to it), so x lies in a shard of positive mass
+        x = torch.minimum(draw_uniforms(keys[a:b], n) * total, torch.nextafter(total, torch.zeros_like(total)))
+        shard = (x.unsqueeze(-1) >= shard_end.unsqueeze(1)).sum(-1)  # [c, n]
+        mine = shard == rank
+        within = ((x - shard_start[:, rank:rank + 1]) / shard_mass[:, rank:rank + 1]).clamp_(0.0, 1.0)
+        target = (within * local_mass.double().unsqueeze(1)).to(cum.dtype)
+        local = torch.searchsorted(cum, target, right=True)
+        # a target rounded up to the row's mass would land past the end: the last entry with mass
+        last = torch.searchsorted(cum, local_mass.unsqueeze(1), right=False)
+        draws = torch.minimum(local, last) + rank * vocab_local
+        del z, cum
         local_ids = torch.where(mine, draws, -1).to(torch.float32)
         all_ids = all_gather_stack(local_ids, tp_group).amax(0)  # exactly one rank owns each draw
         ids_out[a:b], lps_out[a:b] = _counts_to_logprobs(all_ids.long(), n)

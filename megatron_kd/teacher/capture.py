@@ -3,8 +3,9 @@
 Every data-parallel rank runs over its own partition's samples (``CacheWriter.pending_samples``,
 in the order its training sampler will consume them), micro-batch by micro-batch; tensor-parallel
 ranks of one model replica run in lockstep and TP rank 0 writes. A killed pass resumes where it
-stopped: the writer skips what is on disk, and sampled mode seeds each micro-batch from its
-first sample index, so re-running yields the same bytes.
+stopped: the writer skips what is on disk, and sampled mode keys each token's draws by (seed,
+global sample index, position) alone (``ops.topk.sample_row_keys``), so re-running, from any
+point and with any micro-batch or chunk size, yields the same bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_kd.ops.comm import group_rank, group_size
-from megatron_kd.ops.topk import vocab_parallel_sample, vocab_parallel_topk
+from megatron_kd.ops.topk import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
 
 
 @dataclass
@@ -31,7 +32,7 @@ class CaptureConfig:
     """Temperature of the teacher's softmax at capture."""
     micro_batch_size: int = 1
     seed: int = 1234
-    """Seed of sampled mode (combined with each micro-batch's first sample index)."""
+    """Seed of sampled mode; a token's draws depend on (seed, sample index, position) only."""
     chunk_size: int | None = None
     """Tokens per projection chunk (None: automatic)."""
 
@@ -80,8 +81,9 @@ def capture_teacher(teacher, dataset, writer, cfg: CaptureConfig, *, device=None
         if cfg.mode == "topk":
             ids, lps = vocab_parallel_topk(hidden, weight, cfg.topk, **kw)
         else:
-            gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + int(samples[0]))
-            ids, lps = vocab_parallel_sample(hidden, weight, cfg.topk, generator=gen, **kw)
+            keys = sample_row_keys(cfg.seed, torch.as_tensor(samples, dtype=torch.int64, device=device),
+                                   hidden.shape[0])
+            ids, lps = vocab_parallel_sample(hidden, weight, cfg.topk, row_keys=keys, **kw)
         # [b, s, K], left on the device: the writer encodes (sorts, validates) them there
         ids, lps = ids.transpose(0, 1), lps.transpose(0, 1)
         if is_writer:

@@ -1,8 +1,10 @@
 """The teacher pass: the cache equals torch.topk of the teacher's own full log-softmax.
 
 1. megatron-core GPT teacher on gloo at TP=1 and TP=2 (padded vocabulary rows excluded)
-2. sampled mode: the draws' empirical distribution matches the teacher's (TP=1 and TP=2)
-3. a pass killed with SIGKILL and re-run ends with a byte-identical store
+2. sampled mode: the draws follow the teacher's distribution (chi-square), TP=2 draws the very
+   tokens TP=1 does, and the draws are splitmix64 of (seed, sample, position) as documented
+3. a pass killed with SIGKILL and re-run ends with a byte-identical store; a sampled pass killed
+   mid-micro-batch and resumed, or run with other micro-batch and chunk sizes, too
 4. a tiny transformers causal LM (random weights, built here) gives its own top-K
 """
 
@@ -19,7 +21,7 @@ import torch
 from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
 from megatron_kd.cache import CacheReader, CacheWriter
 from megatron_kd.megatron.data import ByteTokenizer
-from megatron_kd.ops.topk import vocab_parallel_sample
+from megatron_kd.ops.topk import draw_uniforms, sample_row_keys, splitmix64, vocab_parallel_sample
 from megatron_kd.teacher import CaptureConfig, HFTeacher, MegatronTeacher, capture_teacher
 from tiny_teacher import K, SEQ, make_dataset, tiny_model
 
@@ -78,19 +80,24 @@ def _sample_worker(rank, world, seed):
         torch.manual_seed(seed)
         vocab, n_tok, draws = 12, 3000, 16
         hidden = torch.randn(1, 8, dtype=torch.float64).expand(n_tok, 8)
-        weight = torch.randn(vocab, 8, dtype=torch.float64)
+        weight = torch.randn(vocab, 8, dtype=torch.float64) * 1.5
         shard = weight.chunk(world)[rank]
-        gen = torch.Generator().manual_seed(seed)
-        ids, lps = vocab_parallel_sample(hidden, shard, draws, generator=gen, tp_group=group, chunk_size=500)
+        keys = sample_row_keys(seed, torch.arange(n_tok), 1)[0]  # [n_tok]: one position of n_tok samples
+        ids, lps = vocab_parallel_sample(hidden, shard, draws, row_keys=keys, tp_group=group, chunk_size=500)
         assert ids.shape == (n_tok, draws)
         counts = torch.where(ids >= 0, lps.exp(), 0.0) * draws
         assert torch.allclose(counts.sum(-1), torch.full((n_tok,), float(draws)), atol=1e-4)
         valid = ids >= 0
         assert (ids[valid] < vocab).all()
-        emp = torch.zeros(vocab, dtype=torch.float64).scatter_add_(0, ids[valid], lps[valid].exp().double()) / n_tok
-        p = torch.softmax(hidden[0] @ weight.t(), -1)
-        # n_tok·draws = 48,000 draws: binomial std of each frequency <= 0.0023
-        assert (emp - p).abs().max() < 0.012, (emp, p)
+        # n_tok·draws = 48,000 independent draws from p: chi-square with vocab - 1 degrees of freedom
+        observed = torch.zeros(vocab, dtype=torch.float64).scatter_add_(0, ids[valid], counts[valid].double())
+        expected = torch.softmax(hidden[0] @ weight.t(), -1) * n_tok * draws
+        chi2 = ((observed - expected) ** 2 / expected).sum()
+        p_value = torch.special.gammaincc(torch.tensor((vocab - 1) / 2.0, dtype=torch.float64), chi2 / 2)
+        assert p_value > 1e-6, (chi2, observed, expected)
+        # TP=2 draws the tokens TP=1 does (fp64 logits: rounding never moves an inverse-CDF boundary here)
+        alone = vocab_parallel_sample(hidden, weight, draws, row_keys=keys, chunk_size=700)
+        assert torch.equal(ids, alone[0]) and torch.equal(lps, alone[1])
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -99,6 +106,88 @@ def test_sampled_mode_matches_teacher_distribution(seed, tp):
         _sample_worker(0, 1, seed)
     else:
         spawn(_sample_worker, seed, world_size=2)
+
+
+def test_sample_draws_are_splitmix64_of_seed_sample_and_position():
+    """The documented construction, against a plain-Python splitmix64 (torch's int64 wraps like
+    uint64; its >> is arithmetic and must be masked)."""
+    mask = (1 << 64) - 1
+
+    def mix(x):
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & mask
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & mask
+        return x ^ (x >> 31)
+
+    def absorb(state, value):
+        return mix(((state ^ (value & mask)) + 0x9E3779B97F4A7C15) & mask)
+
+    words = [0, 1, 12345, -1, -(1 << 63), (1 << 63) - 1]
+    assert [w & mask for w in splitmix64(torch.tensor(words)).tolist()] == [mix(w & mask) for w in words]
+    seed, samples, seq = 1234, torch.tensor([7, 1 << 40]), 3
+    keys = sample_row_keys(seed, samples, seq)
+    assert keys.shape == (seq, 2)
+    for i, sample in enumerate(samples.tolist()):
+        for pos in range(seq):
+            key = absorb(absorb(absorb(0, seed), sample), pos)
+            assert keys[pos, i].item() & mask == key
+            u = draw_uniforms(keys[pos, i], 4).tolist()
+            assert u == [(mix((key + j * 0x9E3779B97F4A7C15) & mask) >> 11) * 2.0 ** -53 for j in range(1, 5)]
+
+
+class _StoppedTeacher:
+    """A teacher whose forward raises after ``batches`` micro-batches (a kill, in process)."""
+
+    def __init__(self, teacher, batches):
+        self.teacher, self.batches = teacher, batches
+        self.model, self.tp_group, self.vocab_size = teacher.model, teacher.tp_group, teacher.vocab_size
+
+    def __call__(self, *inputs):
+        if self.batches is not None:
+            if self.batches == 0:
+                raise KeyboardInterrupt("killed")
+            self.batches -= 1
+        return self.teacher(*inputs)
+
+
+_SAMPLED = dict(vocab_size=VOCAB, topk=K, seq_length=SEQ, rows_per_shard=3, micro_batch_size=2,
+                metadata={"mode": "sampled", "sampled_draws": K})
+
+
+def _sampled_store(path, dataset, *, mbs, chunk_size=None, stop_after_batches=None):
+    """A sampled pass with CaptureConfig(micro_batch_size=mbs, chunk_size=...); the writer's layout
+    (micro-batch size 2, shards of 3 rows) is the same for every store compared. Stopped after
+    ``stop_after_batches`` micro-batches, its buffered rows are lost as in a crash."""
+    teacher = _StoppedTeacher(MegatronTeacher(tiny_model(1), vocab_size=VOCAB), stop_after_batches)
+    cfg = CaptureConfig(topk=K, mode="sampled", micro_batch_size=mbs, chunk_size=chunk_size, seed=99)
+    with contextlib.suppress(KeyboardInterrupt), CacheWriter(path, num_samples=16, **_SAMPLED) as writer:
+        capture_teacher(teacher, dataset, writer, cfg, progress=False)
+
+
+def _tree_bytes(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+def _resume_worker(rank, world, tmp):
+    with megatron_cpu_patches():
+        init_tensor_parallel(world)
+        dataset = make_dataset(tmp, num_samples=16)
+        _sampled_store(f"{tmp}/ref", dataset, mbs=2)
+        # stopped after 2 micro-batches: shard 0 (rows 0-2) on disk, row 3 lost; the resumed pass
+        # starts at sample 3, mid-micro-batch, so its micro-batches are [3, 4], [5, 6], ...
+        _sampled_store(f"{tmp}/resumed", dataset, mbs=2, stop_after_batches=2)
+        assert not CacheReader(f"{tmp}/resumed", allow_incomplete=True).meta.complete
+        with CacheWriter(f"{tmp}/resumed", num_samples=16, **_SAMPLED) as pending:
+            assert pending.pending_samples()[0] == 3
+        _sampled_store(f"{tmp}/resumed", dataset, mbs=2)
+        _sampled_store(f"{tmp}/regrouped", dataset, mbs=3, chunk_size=5)
+        reference = _tree_bytes(f"{tmp}/ref")
+        assert _tree_bytes(f"{tmp}/resumed") == reference
+        assert _tree_bytes(f"{tmp}/regrouped") == reference
+
+
+def test_sampled_pass_is_the_same_however_it_is_batched_or_stopped(tmp_path):
+    make_dataset(tmp_path, num_samples=16)
+    spawn(_resume_worker, str(tmp_path), world_size=1)
 
 
 _KILLABLE_PASS = textwrap.dedent("""
