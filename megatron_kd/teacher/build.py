@@ -22,7 +22,8 @@ from megatron_kd.cache.inspect import store_bytes
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 from megatron_kd.teacher.capture import CaptureConfig, capture_teacher
 from megatron_kd.models.gpt_oss import is_gpt_oss
-from megatron_kd.teacher.sources import HFTeacher, MegatronTeacher, hf_config_fingerprint
+from megatron_kd.teacher.fingerprint import hf_fingerprint, megatron_fingerprint
+from megatron_kd.teacher.sources import HFTeacher, MegatronTeacher
 
 
 def check_teacher_vocab(teacher_vocab: int, tokenizer, *, source: str) -> None:
@@ -31,11 +32,17 @@ def check_teacher_vocab(teacher_vocab: int, tokenizer, *, source: str) -> None:
                          f"{tokenizer.vocab_size}: they are not the same tokenizer")
 
 
+def _print_rank_0(line: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
+
+
 def _hf_teacher(path: str, tokenizer, device) -> HFTeacher:
     import transformers
 
+    fingerprint = hf_fingerprint(path, log=_print_rank_0)  # first: a directory without weights stops here
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).to(device)
-    teacher = HFTeacher(model)
+    teacher = HFTeacher(model, fingerprint=fingerprint)
     check_teacher_vocab(teacher.vocab_size, tokenizer, source=path)
     try:
         hf_vocab = transformers.AutoTokenizer.from_pretrained(path).get_vocab()
@@ -53,7 +60,6 @@ def _hf_teacher(path: str, tokenizer, device) -> HFTeacher:
 
 def _megatron_teacher(args, tokenizer) -> MegatronTeacher:
     """The teacher the model flags describe, from --load or (GPT-OSS) a Hugging Face directory."""
-    import transformers
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
     from megatron.training.checkpointing import load_checkpoint
@@ -67,13 +73,17 @@ def _megatron_teacher(args, tokenizer) -> MegatronTeacher:
                          "(use tensor / expert parallelism to fit the teacher)")
     if args.load is None and args.kd_teacher_hf is None:
         raise CacheError("the teacher pass needs the teacher checkpoint: --load CKPT_DIR (or --kd-teacher-hf DIR)")
+    # the weights' digest, before loading: a missing checkpoint stops here instead of a random teacher
+    if args.load is not None:
+        fingerprint = megatron_fingerprint(args.load, ckpt_step=getattr(args, "ckpt_step", None),
+                                           log=_print_rank_0)
+    else:
+        fingerprint = hf_fingerprint(args.kd_teacher_hf, log=_print_rank_0)
     model = get_model(model_provider, wrap_with_ddp=False)
     if args.load is not None:
-        iteration, _ = load_checkpoint(model, None, None, strict=True)
-        fingerprint = f"megatron:{args.load}:layers={args.num_layers}:hidden={args.hidden_size}:iter={iteration}"
+        load_checkpoint(model, None, None, strict=True)
     else:
         init_from_hf(unwrap_model(model[0]), args.kd_teacher_hf, args)
-        fingerprint = hf_config_fingerprint(transformers.AutoConfig.from_pretrained(args.kd_teacher_hf))
     check_teacher_vocab(args.padded_vocab_size, tokenizer, source=args.load or args.kd_teacher_hf)
     return MegatronTeacher(model[0].eval(), tp_group=parallel_state.get_tensor_model_parallel_group(),
                            sequence_parallel=args.sequence_parallel, vocab_size=tokenizer.vocab_size,

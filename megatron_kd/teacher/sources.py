@@ -6,12 +6,10 @@ top-K is taken chunk by chunk from hidden states (``ops.topk``), never from full
 
 from __future__ import annotations
 
-import hashlib
-import json
-
 import torch
 
 from megatron_kd.ops.comm import gather_first_dim
+from megatron_kd.teacher.fingerprint import module_fingerprint
 
 
 def _hidden_and_weight(hidden_states, output_layer, output_weight, **_):
@@ -39,16 +37,13 @@ class MegatronTeacher:
         return hidden, weight
 
 
-def hf_config_fingerprint(config) -> str:
-    """Fingerprint of a Hugging Face teacher: its config (the same for either way of running it)."""
-    text = json.dumps(config.to_dict(), sort_keys=True, default=str)
-    return "hf-" + hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
 class HFTeacher:
-    """A Hugging Face transformers causal LM whose logits are ``lm_head(final hidden states)``."""
+    """A Hugging Face transformers causal LM whose logits are ``lm_head(final hidden states)``.
 
-    def __init__(self, model):
+    ``fingerprint``: the digest of the files it was loaded from (``fingerprint.hf_fingerprint``);
+    without one, the digest of the model's tensors."""
+
+    def __init__(self, model, *, fingerprint: str | None = None):
         self.model = model.eval()
         head = model.get_output_embeddings()
         if not isinstance(head, torch.nn.Linear) or head.bias is not None:
@@ -56,7 +51,7 @@ class HFTeacher:
         self.head = head
         self.tp_group = None
         self.vocab_size = int(model.config.vocab_size)
-        self.fingerprint = hf_config_fingerprint(model.config)
+        self.fingerprint = fingerprint or module_fingerprint(model)
         self._checked = False
 
     @torch.no_grad()
