@@ -12,18 +12,25 @@
 
 megatron.training needs CUDA, so this CPU path drives megatron-core modules with a minimal loop
 (AdamW, cosine schedule); on GPUs the same forward step runs inside megatron.training.pretrain.
+
+Settings are checked before any work, each mistake one line (FlagError): every number finite and
+in its range (``DemoConfig``), the workdir a directory, the corpus large enough for the samples
+asked of each split (``check_corpus``), the peak memory within what the machine has
+(``check_memory``). The demo owns its workdir: a cache of other settings or a damaged one is built
+again, said in one line, but never while another demo holds a partition's writer lock.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import fcntl
 import json
 import math
 import os
 import shutil
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -51,27 +58,26 @@ class DemoConfig:
     # (held-out 2.260 against renorm's 2.300 nats/token; README, CPU demo)
     kd_tail: str = "ghost"
     kd_ce_weight: float = 0.0
+    kd_divergence: str = "forward"
+    kd_jsd_beta: float = 0.5
     seed: int = 1234
     log_interval: int = 25
 
     def __post_init__(self):
         # checked before any work: a bad value must not surface after minutes of training
         from megatron_kd.errors import FlagError
-        from megatron_kd.ops import TAILS
+        from megatron_kd.ops import DIVERGENCES, TAILS
 
+        for f in fields(self):
+            check_number(f.name, getattr(self, f.name), type(f.default))
         if self.kd_tail not in TAILS:
             raise FlagError(f"--kd-tail must be one of {TAILS}, got {self.kd_tail!r}")
-        positive = ("seq_length", "micro_batch_size", "corpus_bytes", "teacher_layers", "teacher_hidden",
-                    "student_layers", "student_hidden", "heads", "teacher_steps", "student_steps", "eval_samples",
-                    "topk", "log_interval")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise FlagError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "kd_temperature"):
-            if getattr(self, name) <= 0:
-                raise FlagError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
-        if self.kd_ce_weight < 0:
-            raise FlagError(f"--kd-ce-weight must be >= 0, got {self.kd_ce_weight}")
+        if self.kd_divergence not in DIVERGENCES:
+            raise FlagError(f"--kd-divergence must be one of {DIVERGENCES}, got {self.kd_divergence!r}")
+        if self.kd_divergence != "forward" and self.kd_tail == "none":
+            raise FlagError(f"--kd-divergence {self.kd_divergence} needs --kd-tail renorm or ghost, got none")
+        if not self.workdir:
+            raise FlagError("--workdir must name a directory, got ''")
         for hidden in ("teacher_hidden", "student_hidden"):
             if getattr(self, hidden) % self.heads:
                 raise FlagError(f"--{hidden.replace('_', '-')} ({getattr(self, hidden)}) must be divisible by "
@@ -80,21 +86,150 @@ class DemoConfig:
             raise FlagError(f"--topk must be <= 258 (the byte vocabulary), got {self.topk}")
 
 
+# Every int / float field of DemoConfig must be finite and positive, except these (flag -> why):
+NUMBER_RANGES = {
+    "kd_ce_weight": ("[0, inf)", 0.0, True, math.inf),  # 0: no cross-entropy term
+    "seed": ("[0, 2^32)", 0, True, 2**32),  # numpy's RandomState, which megatron's GPTDataset seeds
+    "kd_jsd_beta": ("(0, 1)", 0.0, False, 1.0),
+}
+
+
+def check_number(name: str, value, kind: type) -> None:
+    """One setting: an int field takes an int, a float field an int or float; finite; in range."""
+    from megatron_kd.errors import FlagError
+
+    if kind not in (int, float):
+        return
+    flag = f"--{name.replace('_', '-')}"
+    numeric = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, numeric):
+        raise FlagError(f"{flag} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    text, low, low_closed, high = NUMBER_RANGES.get(name, ("> 0", 0, False, math.inf))
+    inside = math.isfinite(value) and (value >= low if low_closed else value > low) and value < high
+    if not inside:
+        raise FlagError(f"{flag} must be finite and {text if text.startswith('>') else 'in ' + text}, got {value}")
+
+
+MIN_FILES = 20
+SPLIT = (95, 5, 0)  # train / held-out / test, as megatron's --split "95,5,0"
+
+
 def read_corpus(max_bytes: int) -> list[str]:
     """The standard library's top-level .py files (under 100 KB each), sorted by name, up to ``max_bytes``."""
+    from megatron_kd.errors import FlagError, UserError
+
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs, total = [], 0
+    docs, total, available = [], 0, 0
     for path in sorted(stdlib.glob("*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
         if len(text) > 100_000:
             continue
+        available += 1
         if total + len(text) > max_bytes and docs:
-            break
+            continue  # counted, to tell a small --corpus-bytes from missing sources
         docs.append(text)
         total += len(text)
-    if len(docs) < 20:
-        raise RuntimeError(f"found only {len(docs)} source files under {stdlib}; the demo needs the stdlib sources")
+    if available < MIN_FILES:
+        raise UserError(f"found only {available} source files under {stdlib}; the demo needs the Python standard "
+                        f"library's sources ({MIN_FILES} files at least)")
+    if len(docs) < MIN_FILES:
+        raise FlagError(f"--corpus-bytes {max_bytes} holds {len(docs)} standard-library files, the demo needs "
+                        f"{MIN_FILES} at least: raise --corpus-bytes (600000 is enough)")
     return docs
+
+
+def split_samples(doc_tokens: list[int], seq_length: int) -> tuple[int, int]:
+    """Distinct samples in one epoch of the train and held-out splits, as megatron-core's GPTDataset
+    makes them: the split is over documents (split b gets documents [round(lo·n), round(hi·n))), an
+    epoch of a split holds (its tokens - 1) // seq_length samples (each reads seq_length + 1 tokens)."""
+    n, total = len(doc_tokens), sum(SPLIT)
+    bounds = [0.0, SPLIT[0] / total, (SPLIT[0] + SPLIT[1]) / total]
+    train_end, valid_end = int(round(bounds[1] * n)), int(round(bounds[2] * n))
+    train_tokens, valid_tokens = sum(doc_tokens[:train_end]), sum(doc_tokens[train_end:valid_end])
+    return max(0, (train_tokens - 1) // seq_length), max(0, (valid_tokens - 1) // seq_length)
+
+
+def check_corpus(cfg: "DemoConfig", doc_tokens: list[int]) -> None:
+    """The held-out split must hold --eval-samples distinct samples (they are "unseen" samples only
+    if none repeats), the train split one micro-batch of distinct samples (more steps than that
+    only repeat epochs, as training does)."""
+    from megatron_kd.errors import FlagError
+
+    train, valid = split_samples(doc_tokens, cfg.seq_length)
+    where = (f"--corpus-bytes {cfg.corpus_bytes} ({len(doc_tokens)} files, {sum(doc_tokens):,} tokens; split "
+             f"{','.join(map(str, SPLIT))} by file) at --seq-length {cfg.seq_length}")
+    if valid < cfg.eval_samples:
+        raise FlagError(f"{where} gives {valid} held-out samples, --eval-samples asks {cfg.eval_samples}: raise "
+                        f"--corpus-bytes or lower --eval-samples / --seq-length")
+    if train < cfg.micro_batch_size:
+        raise FlagError(f"{where} gives {train} training samples per epoch, fewer than --micro-batch-size "
+                        f"{cfg.micro_batch_size}: raise --corpus-bytes or lower --micro-batch-size / --seq-length")
+
+
+def check_workdir(workdir: str) -> None:
+    from megatron_kd.errors import FlagError
+
+    path = Path(workdir)
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                raise FlagError(f"--workdir {workdir}: {existing} is a file, expected a directory")
+            if not os.access(existing, os.W_OK | os.X_OK):
+                raise FlagError(f"--workdir {workdir}: {existing} is not writable")
+            return
+
+
+# Peak resident memory of the demo, measured on this project's CPU machine (torch 2.11, 2026-12-01,
+# one training step of a demo GPTModel, ru_maxrss): 0.85 GiB of interpreter and libraries before
+# any model; then per token of a micro-batch ~130 bytes per layer per hidden unit (saved
+# activations) plus ~12 KiB (embeddings, logits over the 258-byte vocabulary, loss), linear in the
+# sequence length up to 32K tokens: torch's CPU SDPA kernel never holds the [b, heads, s, s]
+# scores. The estimate rounds these up (and adds weights, gradients, AdamW's two moments).
+RUNTIME_BYTES = int(0.9 * 2**30)
+ACTIVATION_BYTES_PER_LAYER_UNIT = 160
+ACTIVATION_BYTES_PER_TOKEN = 16 << 10
+VOCAB = 258
+
+
+def gpt_parameters(layers: int, hidden: int, seq_length: int) -> int:
+    """Parameters of the demo's GPTModel: per layer attention 4h² + 4h, MLP 8h² + 5h, two norms;
+    word and position embeddings, output layer (untied), final norm."""
+    return layers * (12 * hidden * hidden + 15 * hidden) + (2 * VOCAB + seq_length) * hidden + hidden
+
+
+def estimate_peak_bytes(cfg: "DemoConfig") -> int:
+    """The demo's peak resident memory: training its larger model dominates (the teacher pass and
+    evaluation run without gradients); the teacher stays in memory while the students train."""
+    tokens = cfg.micro_batch_size * cfg.seq_length
+    models = [(cfg.teacher_layers, cfg.teacher_hidden), (cfg.student_layers, cfg.student_hidden)]
+    teacher_weights = 4 * gpt_parameters(cfg.teacher_layers, cfg.teacher_hidden, cfg.seq_length)
+    training = max(16 * gpt_parameters(layers, hidden, cfg.seq_length)
+                   + tokens * (ACTIVATION_BYTES_PER_LAYER_UNIT * layers * hidden + ACTIVATION_BYTES_PER_TOKEN)
+                   for layers, hidden in models)
+    return RUNTIME_BYTES + teacher_weights + training
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else free pages."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(cfg: "DemoConfig", available: int | None = None) -> None:
+    from megatron_kd.errors import FlagError
+
+    need, have = estimate_peak_bytes(cfg), available_memory_bytes() if available is None else available
+    if need > have:
+        layers, hidden = max((cfg.teacher_layers, cfg.teacher_hidden), (cfg.student_layers, cfg.student_hidden),
+                             key=lambda m: m[0] * m[1])
+        raise FlagError(f"--seq-length {cfg.seq_length} x --micro-batch-size {cfg.micro_batch_size} (a {layers}-layer, "
+                        f"{hidden}-wide model) needs about {need / 2**30:,.1f} GiB of memory, this machine has "
+                        f"{have / 2**30:,.1f} GiB available: lower --seq-length or --micro-batch-size")
 
 
 def _init_single_process():
@@ -227,18 +362,110 @@ def _plot(curves: dict, path: Path, table: dict):
     plt.close(fig)
 
 
-def open_cache_writer(cache: Path, **params):
-    """The demo's cache writer: a cache left by other settings (another teacher) or damaged is
-    started again; one that another demo is writing right now is left alone (CacheBusyError)."""
+@contextlib.contextmanager
+def partitions_locked(cache: Path):
+    """Hold every partition's writer lock of ``cache`` (the exclusive flock a CacheWriter takes on
+    dp_NNNNN/.writer.lock), or raise CacheBusyError naming the one another writer holds."""
+    from megatron_kd.cache import CacheBusyError
+    from megatron_kd.cache.store import LOCK_FILE
+
+    with contextlib.ExitStack() as held:
+        for file in sorted(Path(cache).glob(f"dp_*/{LOCK_FILE}")):
+            handle = held.enter_context(open(file, "ab"))
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CacheBusyError(f"{cache}: another demo is writing this cache (it holds {file}); wait for it "
+                                     f"or use another --workdir") from None
+        yield
+
+
+def start_cache_again(cache: Path) -> None:
+    """Delete the demo's cache, under every partition's lock: never one that a live writer holds."""
+    with partitions_locked(cache):
+        if cache.is_dir() and not cache.is_symlink():
+            shutil.rmtree(cache)
+        else:
+            cache.unlink(missing_ok=True)
+
+
+def open_cache_writer(cache: Path, *, log=print, **params):
+    """The demo's cache writer. A cache left by other settings (another teacher) or one that cannot
+    be opened is started again, said in one line; one that another demo is writing right now is
+    left alone (CacheBusyError)."""
     from megatron_kd.cache import CacheBusyError, CacheError, CacheWriter
 
+    cache = Path(cache)
     try:
         return CacheWriter(cache, **params)
     except CacheBusyError:
         raise
-    except CacheError:
-        shutil.rmtree(cache)
+    except CacheError as e:
+        start_cache_again(cache)
+        log(f"  teacher cache {cache} cannot be resumed ({' '.join(str(e).split())}); building it again")
         return CacheWriter(cache, **params)
+
+
+def _pass_record(work: Path) -> Path:
+    return work / "teacher-pass.json"
+
+
+def build_teacher_cache(cache: Path, work: Path, params: dict, run_pass, log) -> dict:
+    """Bring the demo's cache up to date and say what it holds.
+
+    ``run_pass(writer)`` runs the teacher over the writer's pending samples (capture_teacher's
+    summary). Each run that computes samples is appended to the workdir's teacher-pass.json (reset
+    when the cache starts from nothing), so a resumed or skipped pass still reports the throughput
+    of the runs that built the cache. Then the whole cache is verified (every file, every block):
+    a damaged cache is built again once, said in one line. Returns the report: the cache's own
+    content (``inspect``), how this run got it (built / resumed / skipped) and the throughput.
+    """
+    from megatron_kd.cache import CacheError
+    from megatron_kd.cache.inspect import inspect, verify
+
+    record_file = _pass_record(work)
+    for attempt in range(2):
+        writer = open_cache_writer(cache, log=log, **params)
+        with writer:
+            pending = len(writer.pending_samples())
+            if len(writer.repaired_samples):
+                log(f"  teacher cache {cache}: {len(writer.repairs)} damaged shard(s) ({writer.repairs[0]}); "
+                    f"computing their {len(writer.repaired_samples)} samples again")
+            runs = [] if pending == writer.num_rows or not record_file.exists() else \
+                json.loads(record_file.read_text()).get("runs", [])
+            summary = run_pass(writer)
+        if summary["samples"]:
+            runs.append({"samples": summary["samples"], "tokens": summary["tokens"], "seconds": summary["seconds"]})
+            record_file.write_text(json.dumps({"cache": str(cache), "runs": runs}, indent=2))
+        try:
+            verify(cache, progress=False)
+            content = inspect(cache, progress=False)
+            break
+        except CacheError as e:
+            if attempt:
+                raise
+            log(f"  teacher cache {cache} is damaged ({' '.join(str(e).split())}); building it again")
+            start_cache_again(cache)
+    status = "built" if summary["samples"] == content["samples"] else "resumed" if summary["samples"] else "skipped"
+    tokens, seconds = sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)
+    return {"status": status, "samples": content["samples"], "tokens": content["tokens"],
+            "mean_teacher_mass": content["mean_teacher_mass"], "bytes": content["bytes"],
+            "samples_computed_now": summary["samples"], "seconds": seconds if runs else None,
+            "tokens_per_s": tokens / seconds if runs and seconds > 0 else None}
+
+
+def describe_teacher_pass(report: dict, topk: int, cache: Path) -> str:
+    rate = (f"{report['tokens_per_s']:,.0f} tokens/s" if report["tokens_per_s"] is not None
+            else "throughput not recorded")
+    content = (f"{report['samples']} samples, {report['tokens']:,} tokens, K={topk}, mean top-K mass "
+               f"{report['mean_teacher_mass']:.3f}")
+    if report["status"] == "built":
+        return f"[3/5] teacher pass: {content}, {rate} -> {cache}"
+    if report["status"] == "resumed":
+        return (f"[3/5] teacher pass resumed: {report['samples_computed_now']} of {report['samples']} samples "
+                f"computed now; cache {cache}: {content}; {rate} over the runs that built it")
+    return (f"[3/5] teacher pass skipped: the cache of an earlier run is complete and verified; cache {cache}: "
+            f"{content}; built at {rate}")
 
 
 def run_demo(cfg: DemoConfig, log=print) -> dict:
@@ -256,21 +483,27 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     from megatron_kd.megatron.kd_data import KDDataset
     from megatron_kd.megatron.loss import KDForwardStep
     from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
+    from megatron_kd.teacher.fingerprint import module_fingerprint
 
     start = time.perf_counter()
+    # every check before any work: nothing is written, nothing trained, for a setting that cannot run
+    check_workdir(cfg.workdir)
+    check_memory(cfg)
+    tok = ByteTokenizer()
+    vocab = tok.vocab_size
+    docs = read_corpus(cfg.corpus_bytes)
+    doc_tokens = [len(tok.tokenize(d)) + 1 for d in docs]  # + the end-of-document token
+    check_corpus(cfg, doc_tokens)
+
     work = Path(cfg.workdir)
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     _init_single_process()
-    tok = ByteTokenizer()
-    vocab = tok.vocab_size
-
-    docs = read_corpus(cfg.corpus_bytes)
     prefix = write_indexed_dataset(work / "data" / "stdlib", ([*tok.tokenize(d), tok.eod] for d in docs), vocab)
-    log(f"[1/5] corpus: {len(docs)} standard-library files, {sum(map(len, docs)):,} bytes -> {prefix}.bin/.idx")
+    log(f"[1/5] corpus: {len(docs)} standard-library files, {sum(doc_tokens):,} tokens -> {prefix}.bin/.idx")
 
     mbs = cfg.micro_batch_size
-    common = dict(split="95,5,0", seq_length=cfg.seq_length, seed=cfg.seed, tokenizer=tok,
+    common = dict(split=",".join(map(str, SPLIT)), seq_length=cfg.seq_length, seed=cfg.seed, tokenizer=tok,
                   cache_dir=str(work / "data" / "index-cache"))
     teacher_ds, valid_ds, _ = build_gpt_datasets([prefix], num_samples=(cfg.teacher_steps * mbs, cfg.eval_samples, 0),
                                                  **common)
@@ -289,26 +522,28 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
                                     checkpoint=checkpoints / "teacher.pt")}
 
     cache = work / "teacher-cache"
-    # training is deterministic: the same settings give the same teacher, whose cache a rerun resumes
-    digest = hashlib.sha256(config_key(cfg).encode()).hexdigest()[:16]
-    teacher_model = MegatronTeacher(teacher.eval(), vocab_size=vocab, fingerprint=f"demo-teacher-{n_teacher}-{digest}")
+    # the teacher's own weights name it: the same settings train the same teacher (training is
+    # deterministic), whose cache a rerun resumes
+    teacher_model = MegatronTeacher(teacher.eval(), vocab_size=vocab, fingerprint=module_fingerprint(teacher))
     meta = {"teacher_fingerprint": teacher_model.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(tok),
             "dataset_fingerprint": dataset_fingerprint(student_ds)}
     params = dict(vocab_size=vocab, topk=cfg.topk, seq_length=cfg.seq_length, num_samples=cfg.student_steps * mbs,
                   micro_batch_size=mbs, metadata=meta)
-    writer = open_cache_writer(cache, **params)
-    # the samples the student consumes (steps x micro-batch), in its order
-    with writer:
-        summary = capture_teacher(teacher_model, student_ds, writer, CaptureConfig(topk=cfg.topk, micro_batch_size=mbs),
-                                  device=torch.device("cpu"), progress=False)
-    log(f"[3/5] teacher pass: {summary['samples']} samples, {summary['tokens']:,} tokens, K={cfg.topk}, "
-        f"{summary['tokens_per_s']:,.0f} tokens/s, mean top-K mass {summary['mean_teacher_mass']:.3f} -> {cache}")
 
-    kd = KDConfig(cache=str(cache), temperature=cfg.kd_temperature, tail=cfg.kd_tail, ce_weight=cfg.kd_ce_weight)
+    def run_pass(writer):  # the samples the student consumes (steps x micro-batch), in its order
+        return capture_teacher(teacher_model, student_ds, writer, CaptureConfig(topk=cfg.topk, micro_batch_size=mbs),
+                               device=torch.device("cpu"), progress=False)
+
+    teacher_pass = build_teacher_cache(cache, work, params, run_pass, log)
+    log(describe_teacher_pass(teacher_pass, cfg.topk, cache))
+
+    kd = KDConfig(cache=str(cache), temperature=cfg.kd_temperature, tail=cfg.kd_tail, ce_weight=cfg.kd_ce_weight,
+                  divergence=cfg.kd_divergence, jsd_beta=cfg.kd_jsd_beta)
     student_kd = _model(cfg, cfg.student_layers, cfg.student_hidden, vocab, cfg.seed + 1)
     n_student = sum(p.numel() for p in student_kd.parameters())
     log(f"[4/5] students: GPTModel {cfg.student_layers} layers x {cfg.student_hidden}, {n_student:,} parameters, "
-        f"{cfg.student_steps} steps; KD: fused top-{cfg.topk} loss, tail={kd.tail}, T={kd.temperature}, "
+        f"{cfg.student_steps} steps; KD: fused top-{cfg.topk} loss, divergence={kd.divergence}"
+        f"{f' (beta {kd.jsd_beta})' if kd.divergence == 'jsd' else ''}, tail={kd.tail}, T={kd.temperature}, "
         f"ce_weight={kd.ce_weight}")
     kd_data = KDDataset(student_ds, str(cache), tokenizer=tok, required_samples=cfg.student_steps * mbs)
     forward_step = KDForwardStep(kd, device=torch.device("cpu"))
@@ -339,6 +574,6 @@ def run_demo(cfg: DemoConfig, log=print) -> dict:
     log(f"  distillation gain over CE-only at equal steps: {gain:+.3f} nats/token")
     log(f"  plot: {work / 'loss_curves.png'}  tensorboard: {work / 'tensorboard'}  ({elapsed:.0f} s)")
     result = {"heldout": table, "gain": gain, "seconds": elapsed, "config": asdict(cfg),
-              "teacher_pass": summary, "curves": curves}
+              "teacher_pass": teacher_pass, "curves": curves}
     (work / "results.json").write_text(json.dumps(result, indent=2))
     return result

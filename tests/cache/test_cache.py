@@ -479,28 +479,6 @@ def test_one_writer_per_partition(tmp_path, seed):
     assert verify(path, progress=False)["ok"]
 
 
-def test_demo_keeps_a_cache_another_writer_holds(tmp_path, seed):
-    """The demo starts a cache of other settings again, but never deletes one that another demo
-    is writing (the lock is busy: CacheBusyError, and every file stays)."""
-    from megatron_kd.cache import CacheBusyError
-    from megatron_kd.demo import open_cache_writer
-
-    path = tmp_path / "c"
-    params = dict(vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=_N, dp_size=1, micro_batch_size=_MBS,
-                  rows_per_shard=_ROWS, metadata=_META)
-    holder = CacheWriter(path, **params)
-    holder.write(0, *sample_data(0, 0))
-    holder._flush(0)
-    before = _tree_bytes(path)
-    with pytest.raises(CacheBusyError, match="another writer holds partition 0"):
-        open_cache_writer(path, **params)
-    assert _tree_bytes(path) == before
-    holder.close()
-    other = open_cache_writer(path, **{**params, "topk": K + 1})  # another teacher's settings: started again
-    assert other.meta.topk == K + 1 and len(other.pending_samples()) == _N
-    other.close()
-
-
 _CRASH_CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path[:0] = {paths!r}
