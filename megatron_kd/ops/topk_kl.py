@@ -52,6 +52,8 @@ def fused_topk_kl(
     ce_weight: float = 0.0,
     temperature: float = 1.0,
     tail: str = "none",
+    divergence: str = "forward",
+    jsd_beta: float = 0.5,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
@@ -60,6 +62,10 @@ def fused_topk_kl(
     gradient_accumulation_fusion: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Chunked, vocab-parallel top-K KL (+ optional CE) from hidden states and the output weight.
+
+    ``divergence`` picks the KD term over the outcomes ``tail`` defines (docs/DESIGN.md §1):
+    "forward" KL(P‖Q), "reverse" KL(Q‖P) or "jsd" β·KL(P‖Mx) + (1−β)·KL(Q‖Mx), Mx = βP + (1−β)Q with
+    β = ``jsd_beta``; reverse and jsd need tail "renorm" or "ghost".
 
     Returns ``(loss, stats)``: ``loss`` is a differentiable fp32 (fp64 for fp64 inputs) scalar,
     identical on every tensor-parallel rank; ``stats`` holds detached scalars with the same
@@ -72,7 +78,7 @@ def fused_topk_kl(
     """
     opts = TopKKLOptions(
         kd_weight=kd_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
-        reduction=reduction, tp_group=tp_group, sequence_parallel=sequence_parallel,
+        divergence=divergence, jsd_beta=jsd_beta, reduction=reduction, tp_group=tp_group, sequence_parallel=sequence_parallel,
         chunk_size=chunk_size, gradient_accumulation_fusion=gradient_accumulation_fusion,
         impl=resolve_impl(impl, hidden),
     )

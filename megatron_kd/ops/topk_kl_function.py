@@ -59,10 +59,12 @@ _HELD_BYTES_PER_TOKEN = 64
 _CPU_BLOCK_BYTES = 32 * _MiB
 
 
-def triton_block_budget(gradient: int, num_tokens: int, k: int) -> int:
+def triton_block_budget(gradient: int, num_tokens: int, k: int, *, divergence: str = "forward") -> int:
     """Bytes for the CUDA (Triton) path's block and per-row buffers, given the bytes of one weight
-    gradient in the weight's dtype (also ``megatron-kd plan``'s model of the loss)."""
-    held = num_tokens * (k * _HELD_BYTES_PER_ENTRY + _HELD_BYTES_PER_TOKEN)
+    gradient in the weight's dtype (also ``megatron-kd plan``'s model of the loss). Reverse / jsd
+    hold one more fp32 [T, K] teacher tensor (log P_v)."""
+    per_entry = _HELD_BYTES_PER_ENTRY + (4 if divergence != "forward" else 0)
+    held = num_tokens * (k * per_entry + _HELD_BYTES_PER_TOKEN)
     return max(_CUDA_TRITON_MIN_BLOCK_BYTES, gradient + _TRITON_BLOCK_ALLOWANCE - held)
 
 
@@ -175,6 +177,15 @@ def topk_kl_forward(
     lps2d = topk_logprobs.reshape(num_tokens, -1)
     labels1d = labels.reshape(num_tokens) if has_labels else None
     need_grad = need_grad_hidden or need_grad_weight
+    # reverse / jsd over the cached support: the Triton kernels' spec, or the torch path's module
+    support = support_math = None
+    sparse_only = False  # Triton: a gradient without a dense part (the block is zeroed, not exponentiated)
+    if opts.divergence != "forward":
+        if use_triton:
+            support = topk_kl_triton.SupportSpec(opts.divergence, float(opts.jsd_beta), opts.tail)
+            sparse_only = need_grad and support.sparse_only(has_labels and opts.ce_weight != 0)
+        else:
+            from megatron_kd.ops import support_divergence as support_math
     # Triton: logits and their gradient share one block in the input dtype. Torch: an fp32 block,
     # plus a low-precision copy of G for mixed-precision GEMMs.
     block_dtype = hidden.dtype if use_triton else acc
@@ -182,8 +193,8 @@ def topk_kl_forward(
     chunk = opts.chunk_size or auto_chunk_size(
         num_tokens, vocab_local, device=hidden.device, block_dtype=block_dtype, gemm_dtype=gemm_dtype,
         extra_block=has_labels and tau != 1.0 and not use_triton,
-        budget_bytes=triton_block_budget(weight.numel() * weight.element_size(), num_tokens, ids2d.shape[1])
-        if use_triton else None,
+        budget_bytes=triton_block_budget(weight.numel() * weight.element_size(), num_tokens, ids2d.shape[1],
+                                         divergence=opts.divergence) if use_triton else None,
         # Triton: a chunk's fp32 grad_h (then its σ-scaled h), and its per-row statistics
         row_extra_bytes=h2d.shape[1] * acc.itemsize + 4 * ids2d.shape[1] if use_triton else 0,
     )
@@ -211,6 +222,7 @@ def topk_kl_forward(
     # its logits is launched. (triton_block_budget counts them and their temporaries.)
     teacher_all = chunk_math.teacher_terms(
         ids2d, lps2d, tail=opts.tail, temperature=tau, vocab_start=vocab_start, vocab_local=vocab_local, dtype=acc,
+        divergence=opts.divergence,
     )
     label_idx_all = label_owned_all = None
     if has_labels:
@@ -249,12 +261,17 @@ def topk_kl_forward(
         row_scale = None  # G = row_scale[:, None]·g where the Triton path leaves a row scale
         if use_triton:
             local, z_s, refs = topk_kl_triton.exp_row_stats_(block, teacher, label_idx, label_owned, tau,
-                                                            write=need_grad)
+                                                            write=need_grad, zeros=sparse_only)
+            all_stats = all_gather_stack(local, group)
+            sums = None
+            if support is not None and all_stats.shape[0] > 1:  # reverse / jsd under TP: sums over S of all ranks
+                sums = all_reduce_sum_(topk_kl_triton.support_sums(all_stats, rank, teacher, z_s, temperature=tau,
+                                                                   support=support), group)
             terms = topk_kl_triton.row_terms(
-                all_gather_stack(local, group), rank, teacher, rho, label_owned,
+                all_stats, rank, teacher, rho, label_owned,
                 kd_rows[start:end], ce_rows[start:end] if has_labels else None,
                 kd_weight=opts.kd_weight, ce_weight=opts.ce_weight, temperature=tau, tail=opts.tail,
-                need_grad=need_grad,
+                need_grad=need_grad, support=support, z_s=z_s, sums=sums,
             )
             if need_grad:
                 g, row_scale = topk_kl_triton.grad_fixup_(
@@ -266,11 +283,20 @@ def topk_kl_forward(
             kd_rows[start:end], ce = chunk_math.row_losses(teacher, rs, tau, opts.tail)
             if has_labels:
                 ce_rows[start:end] = ce
+            if support_math is not None:  # reverse / jsd: the per-row sums over S, summed over ranks
+                sterms = support_math.support_terms(z_s, teacher, rs, tau, opts.tail, opts.divergence, opts.jsd_beta)
+                kd_rows[start:end], dense, center = support_math.support_losses(
+                    all_reduce_sum_(sterms.sums, group), teacher, rs, opts.tail, opts.divergence,
+                    opts.jsd_beta)
             if need_grad:
                 ce_scale = opts.ce_weight * rho if (has_labels and opts.ce_weight != 0) else None
-                coefs = chunk_math.grad_coefficients(
-                    z_s, teacher, rs, (opts.kd_weight * tau) * rho, ce_scale, label_owned, tau, opts.tail
-                )
+                if support_math is None:
+                    coefs = chunk_math.grad_coefficients(
+                        z_s, teacher, rs, (opts.kd_weight * tau) * rho, ce_scale, label_owned, tau, opts.tail
+                    )
+                else:
+                    coefs = support_math.support_grad_coefficients(
+                        sterms, dense, center, rs, (opts.kd_weight * tau) * rho, ce_scale, label_owned, tau)
                 g = chunk_math.logit_grad_(block, coefs, teacher, label_idx, tau)
                 g = g.to(gemm_dtype)  # no copy unless mixed-precision GEMMs follow
 

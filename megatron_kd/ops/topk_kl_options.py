@@ -23,6 +23,9 @@ TAILS = ("none", "renorm", "ghost")
 DIVERGENCES = ("forward", "reverse", "jsd")
 REDUCTIONS = ("sum", "mean")
 IMPLS = ("auto", "torch", "triton")
+# Inside logarithms of the teacher, the ghost tail's rest mass 1 - M is floored at this, so that
+# KL(Q‖P) stays finite where the cached entries hold all of the teacher's mass (M = 1).
+GHOST_REST_FLOOR = 1e-8
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,13 @@ class TopKKLOptions:
 
     tail: Literal["none", "renorm", "ghost"] = "none"
     """How the teacher mass outside the top-K is treated (docs/DESIGN.md §1 table)."""
+
+    divergence: Literal["forward", "reverse", "jsd"] = "forward"
+    """KL(P‖Q) ("forward"), KL(Q‖P) ("reverse") or β·KL(P‖Mx) + (1−β)·KL(Q‖Mx), Mx = βP + (1−β)Q ("jsd"),
+    over the outcomes the tail defines (docs/DESIGN.md §1); reverse and jsd need tail renorm or ghost."""
+
+    jsd_beta: float = 0.5
+    """β of divergence="jsd": the teacher's weight in the mixture, in (0, 1)."""
 
     reduction: Literal["sum", "mean"] = "sum"
     """"sum" over masked tokens, or "mean" = sum / Σ loss_mask (0 when everything is masked)."""
@@ -96,6 +106,15 @@ def check_inputs(
     return the value checks pending (``raise_if_bad``) with the global vocabulary size (``vocab``)."""
     if opts.tail not in TAILS:
         raise ValueError(f"tail must be one of {TAILS}, got {opts.tail!r}")
+    if opts.divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {opts.divergence!r}")
+    if not (isinstance(opts.jsd_beta, (int, float)) and 0.0 < opts.jsd_beta < 1.0):
+        raise ValueError(f"jsd_beta must be a number in (0, 1), got {opts.jsd_beta!r}")
+    if opts.divergence != "forward" and opts.tail == "none":
+        raise ValueError(
+            f"divergence={opts.divergence!r} needs tail 'renorm' or 'ghost' (a distribution over the cached "
+            "support); tail='none' is for divergence='forward' only"
+        )
     if opts.reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {opts.reduction!r}")
     if not (opts.temperature > 0 and opts.temperature != float("inf")):

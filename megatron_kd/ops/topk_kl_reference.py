@@ -1,8 +1,9 @@
 """``topk_kl_reference``: the ground truth for ``fused_topk_kl``, and the dense baseline.
 
-Materializes the full [tokens, V] logits, writes every tail straight from the formulas of
-docs/DESIGN.md §1 and lets autograd differentiate them, so it shares no gradient algebra with the fused
-op. Computes in float32 for bf16/fp16/fp32 inputs and in float64 for float64 inputs. Under tensor
+Materializes the full [tokens, V] logits, writes every tail and divergence straight from the
+definitions of docs/DESIGN.md §1 (the teacher and student distributions P, Q over the tail's outcomes,
+then KL(P‖Q), KL(Q‖P) or the β-skewed Jensen-Shannon divergence of them) and lets autograd
+differentiate them, so it shares no gradient algebra with the fused op. Computes in float32 for bf16/fp16/fp32 inputs and in float64 for float64 inputs. Under tensor
 parallelism the logits are gathered with Megatron-Core's own autograd mappings.
 """
 
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.ops.comm import group_size
-from megatron_kd.ops.topk_kl_options import TopKKLOptions, check_inputs, unpack_stats
+from megatron_kd.ops.topk_kl_options import GHOST_REST_FLOOR, TopKKLOptions, check_inputs, unpack_stats
 
 
 def _full_vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, opts: TopKKLOptions) -> torch.Tensor:
@@ -40,6 +41,8 @@ def topk_kl_reference(
     ce_weight: float = 0.0,
     temperature: float = 1.0,
     tail: str = "none",
+    divergence: str = "forward",
+    jsd_beta: float = 0.5,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
     chunk_size: int | None = None,
@@ -51,7 +54,8 @@ def topk_kl_reference(
     ``gradient_accumulation_fusion`` are accepted for drop-in use and ignored (all at once)."""
     opts = TopKKLOptions(
         kd_weight=kd_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
-        reduction=reduction, tp_group=tp_group, sequence_parallel=sequence_parallel, chunk_size=chunk_size,
+        divergence=divergence, jsd_beta=jsd_beta, reduction=reduction, tp_group=tp_group,
+        sequence_parallel=sequence_parallel, chunk_size=chunk_size,
     )
     checks = check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
     checks.raise_if_bad()
@@ -78,7 +82,9 @@ def topk_kl_reference(
     log_q = torch.log_softmax(logits / tau, dim=-1)
     log_q_s = torch.where(valid, log_q.gather(1, torch.where(valid, ids, 0)), 0.0)
 
-    if tail == "none":
+    if divergence != "forward":
+        kd = _support_divergence(p, log_p, log_q_s, valid, mass, tail, divergence, jsd_beta)
+    elif tail == "none":
         kd = (p * (log_p - log_q_s)).sum(-1)
     elif tail == "renorm":
         p_hat = p / mass.clamp_min(torch.finfo(dtype).tiny).unsqueeze(-1)
@@ -102,3 +108,30 @@ def topk_kl_reference(
         total = total * inv
         stats = [s * inv for s in stats]
     return total, unpack_stats(torch.stack([*stats, tokens]), has_labels=labels is not None)
+
+
+def _support_divergence(p, log_p, log_q_s, valid, mass, tail, divergence, beta):
+    """Per-token KL(Q‖P) or JSD_β(P, Q) over the outcomes of ``tail``: [n, K(+1)] distributions
+    built from their definitions (docs/DESIGN.md §1), then the divergence summed over outcomes."""
+    tiny = torch.finfo(p.dtype).tiny
+    q_s = torch.where(valid, log_q_s.exp(), 0.0)  # q_v, v in S
+    if tail == "renorm":  # outcomes S: P = p/M, Q = q_S/Q_S
+        big_p = p / mass.clamp_min(tiny).unsqueeze(-1)
+        big_q = q_s / q_s.sum(-1, keepdim=True).clamp_min(tiny)
+        log_big_p = torch.where(valid, log_p - mass.clamp_min(tiny).log().unsqueeze(-1), 0.0)
+        keep = valid
+    else:  # ghost: outcomes S and "the rest", P = (p_S, 1 - M), Q = (q_S, 1 - Q_S)
+        rest_p = (1.0 - mass).clamp_min(0.0)
+        rest_q = (1.0 - q_s.sum(-1)).clamp_min(tiny)
+        big_p = torch.cat([p, rest_p.unsqueeze(-1)], -1)
+        big_q = torch.cat([q_s, rest_q.unsqueeze(-1)], -1)
+        log_big_p = torch.cat([log_p, rest_p.clamp_min(GHOST_REST_FLOOR).log().unsqueeze(-1)], -1)
+        keep = torch.cat([valid, torch.ones_like(valid[:, :1])], -1)
+    log_big_q = torch.where(keep, big_q.clamp_min(tiny).log(), 0.0)
+    if divergence == "reverse":  # KL(Q‖P) = Σ Q (log Q - log P)
+        terms = big_q * (log_big_q - log_big_p)
+    else:  # β KL(P‖Mx) + (1-β) KL(Q‖Mx), Mx = βP + (1-β)Q
+        mix = beta * big_p + (1.0 - beta) * big_q
+        log_mix = torch.where(keep, mix.clamp_min(tiny).log(), 0.0)
+        terms = beta * big_p * (log_big_p - log_mix) + (1.0 - beta) * big_q * (log_big_q - log_mix)
+    return torch.where(keep, terms, 0.0).sum(-1)

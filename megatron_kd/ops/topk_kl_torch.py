@@ -43,10 +43,14 @@ class ChunkTeacher:
     const: torch.Tensor  # [c] C
     lse_coef: torch.Tensor  # [c] A
     mass: torch.Tensor  # [c] M (top-K mass of the tempered teacher, = cached mass)
+    # [c, K] log P_v on owned entries, 0 elsewhere (renorm: log(p/M), ghost: log p); divergences other
+    # than "forward" only (support_divergence.py), None otherwise
+    log_target: torch.Tensor | None = None
 
     def rows(self, start: int, end: int) -> "ChunkTeacher":
         """Rows [start, end) as views (the terms are built once for all tokens, then walked in chunks)."""
-        return ChunkTeacher(**{f: getattr(self, f)[start:end] for f in self.__dataclass_fields__})
+        return ChunkTeacher(**{f: None if (t := getattr(self, f)) is None else t[start:end]
+                               for f in self.__dataclass_fields__})
 
 
 def teacher_terms(
@@ -58,6 +62,7 @@ def teacher_terms(
     vocab_start: int,
     vocab_local: int,
     dtype: torch.dtype,
+    divergence: str = "forward",
 ) -> ChunkTeacher:
     neg_inf = float("-inf")
     lp = logprobs.to(dtype)
@@ -90,6 +95,11 @@ def teacher_terms(
     local = ids.long() - vocab_start
     owned = valid & (local >= 0) & (local < vocab_local)
     owned_f = owned.to(dtype)
+    log_target = None
+    if divergence != "forward":  # log P_v in log space: p itself underflows far below e^-87 (fp32)
+        if tail == "renorm":
+            lp = lp - torch.logsumexp(lp, dim=-1, keepdim=True)  # log(p/M); -inf on padding (masked below)
+        log_target = torch.where(owned, lp, 0.0)
     return ChunkTeacher(
         local_idx=torch.where(owned, local, 0),
         owned=owned_f,
@@ -97,6 +107,7 @@ def teacher_terms(
         const=const,
         lse_coef=lse_coef,
         mass=mass,
+        log_target=log_target,
     )
 
 
@@ -232,7 +243,24 @@ def grad_coefficients(
         dense_coef = teacher.mass - ghost_ratio * rs.student_mass
     else:
         dense_coef = teacher.lse_coef
-    alpha = kd_row_scale * dense_coef * rs.scale_t
+    sparse = -kd_row_scale.unsqueeze(1) * teacher.target_owned
+    if tail == "ghost":
+        q_s = ((z_s - rs.row_max.unsqueeze(1)) / temperature).exp() / rs.sumexp_t.unsqueeze(1)
+        sparse = sparse + (kd_row_scale * ghost_ratio).unsqueeze(1) * q_s * teacher.owned
+    return with_ce_coefficients(kd_row_scale * dense_coef * rs.scale_t, sparse, rs, ce_row_scale, label_owned,
+                                temperature)
+
+
+def with_ce_coefficients(
+    alpha: torch.Tensor,
+    sparse: torch.Tensor,
+    rs: RowStats,
+    ce_row_scale: torch.Tensor | None,
+    label_owned: torch.Tensor | None,
+    temperature: float,
+) -> GradCoefs:
+    """The KD term's dense coefficient α (of exp((z - m_r)/τ)) and [c, K] sparse terms, plus the CE
+    gradient softmax(z) - onehot(label) (None for ce_row_scale: no CE gradient)."""
     beta = label_sparse = None
     if ce_row_scale is not None:
         if temperature == 1.0:
@@ -240,11 +268,6 @@ def grad_coefficients(
         else:
             beta = ce_row_scale * rs.scale_1
         label_sparse = -ce_row_scale * label_owned
-
-    sparse = -kd_row_scale.unsqueeze(1) * teacher.target_owned
-    if tail == "ghost":
-        q_s = ((z_s - rs.row_max.unsqueeze(1)) / temperature).exp() / rs.sumexp_t.unsqueeze(1)
-        sparse = sparse + (kd_row_scale * ghost_ratio).unsqueeze(1) * q_s * teacher.owned
     return GradCoefs(alpha=alpha, beta=beta, sparse=sparse, label_sparse=label_sparse)
 
 

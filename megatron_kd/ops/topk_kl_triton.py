@@ -35,6 +35,7 @@ max): the combine only needs a common reference for each rank's sums.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from megatron_kd.ops import topk_kl_torch as chunk_math
+from megatron_kd.ops.topk_kl_options import DIVERGENCES, GHOST_REST_FLOOR
 from megatron_kd.ops.topk_kl_torch import (
     NUM_ROW_STATS,
     ROW_LABEL_LOGIT,
@@ -84,9 +86,11 @@ def exp_stats_kernel(
     NUM_TILES: tl.constexpr, NUM_STATS: tl.constexpr,
     I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
     I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr,
-    HAS_LABELS: tl.constexpr, SEPARATE_SUM_1: tl.constexpr, WRITE: tl.constexpr,
+    HAS_LABELS: tl.constexpr, SEPARATE_SUM_1: tl.constexpr, WRITE: tl.constexpr, WRITE_ZEROS: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """WRITE_ZEROS: the row is written as 0, not E (a gradient with no dense part: grad_fixup_kernel's
+    SPARSE_ONLY), and no references are kept."""
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
     # The teacher entries and the label first: the walk overwrites the row.
@@ -122,8 +126,11 @@ def exp_stats_kernel(
         if SEPARATE_SUM_1:
             s_1 += tl.exp2((z - ref) * LOG2E)
         if WRITE:
-            tl.store(z_row + offs, e.to(z_ptr.dtype.element_ty), mask=offs < V)
-            tl.store(ref_ptr + row * NUM_TILES + t, ref)
+            if WRITE_ZEROS:
+                tl.store(z_row + offs, tl.zeros([BLOCK_V], z_ptr.dtype.element_ty), mask=offs < V)
+            else:
+                tl.store(z_row + offs, e.to(z_ptr.dtype.element_ty), mask=offs < V)
+                tl.store(ref_ptr + row * NUM_TILES + t, ref)
     sum_t = tl.sum(s_t, axis=0)
     t_dot = tl.sum(target * z_s, axis=0)
     t_sum = tl.sum(tl.where(is_owned, owned * tl.exp2((z_s - ref) * scale_t), 0.0), axis=0)
@@ -147,7 +154,85 @@ def exp_stats_kernel(
 
 # Rows per program of row_terms_kernel (it is a few hundred bytes per row: launch-bound, not tuned).
 ROW_TERMS_BLOCK = 256
+# Reverse / JSD: the kernel also walks each row's K entries, BLOCK_R x ENTRY_TILE at a time (fewer rows
+# per program keep that tile in registers).
+ROW_TERMS_SUPPORT_BLOCK = 64
+ENTRY_TILE = 32
 FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny
+REST_FLOOR = tl.constexpr(GHOST_REST_FLOOR)
+DIVERGENCE_CODES = {name: code for code, name in enumerate(DIVERGENCES)}  # forward 0, reverse 1, jsd 2
+# row_terms_kernel's SUMS: none (forward); computed and used (TP = 1); this rank's partial sums stored
+# (TP > 1, before their all-reduce); the all-reduced sums loaded and used (TP > 1, after it)
+SUMS_NONE, SUMS_INLINE, SUMS_PARTIAL, SUMS_LOADED = (tl.constexpr(i) for i in range(4))
+
+
+@triton.jit
+def _entry_terms(log_q, log_p, jsd_beta, log_beta, log1m_beta, DIVERGENCE: tl.constexpr):
+    """(f, g, Q) of support_divergence.py per entry, from log Q_v and log P_v (natural logs)."""
+    q = tl.exp(log_q)
+    if DIVERGENCE == 1:  # reverse
+        g = log_q - log_p
+        f = q * g
+    else:  # jsd: log Mx = logaddexp(log β + log P, log(1-β) + log Q)
+        a = log_beta + log_p
+        b = log1m_beta + log_q
+        hi = tl.maximum(a, b)
+        log_mix = hi + tl.log(1.0 + tl.exp(tl.minimum(a, b) - hi))
+        g = (1.0 - jsd_beta) * (log_q - log_mix)
+        f = jsd_beta * tl.exp(log_p) * (log_p - log_mix) + q * g
+    return f, g, q
+
+
+@triton.jit
+def _support_sums(zs_ptr, owned_ptr, log_target_ptr, r, rmask, K, ref_local, shift, inv_tau,
+                  jsd_beta, log_beta, log1m_beta,
+                  DIVERGENCE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KT: tl.constexpr, K_TILES: tl.constexpr):
+    """F = Σ f_v and H = Σ Q_v g_v over this rank's entries of rows r; log Q_v = (z_v - r_local)/τ - shift."""
+    f_sum = tl.zeros([BLOCK_R], tl.float32)
+    h_sum = tl.zeros([BLOCK_R], tl.float32)
+    kk = tl.arange(0, BLOCK_KT)
+    for kt in range(K_TILES):  # a constexpr trip count (Triton's interpreter takes no runtime bound)
+        cols = kt * BLOCK_KT + kk
+        off = r[:, None] * K + cols[None, :]
+        owned = tl.load(owned_ptr + off, mask=rmask[:, None] & (cols < K)[None, :], other=0.0) != 0
+        z = tl.load(zs_ptr + off, mask=owned, other=0.0)
+        log_p = tl.load(log_target_ptr + off, mask=owned, other=0.0)
+        log_q = tl.where(owned, (z - ref_local[:, None]) * inv_tau - shift[:, None], 0.0)
+        f, g, q = _entry_terms(log_q, log_p, jsd_beta, log_beta, log1m_beta, DIVERGENCE)
+        f_sum += tl.sum(tl.where(owned, f, 0.0), axis=1)
+        h_sum += tl.sum(tl.where(owned, q * g, 0.0), axis=1)
+    return f_sum, h_sum
+
+
+@triton.jit
+def _ghost_rest(mass, student_mass, jsd_beta, DIVERGENCE: tl.constexpr):
+    """(f_r, g_r) of the ghost tail's rest outcome (support_divergence.ghost_rest)."""
+    rest_p = tl.maximum(1.0 - mass, 0.0)
+    log_rest_p = tl.log(tl.maximum(rest_p, REST_FLOOR))
+    rest_q = tl.maximum(1.0 - student_mass, FP32_TINY)
+    log_rest_q = tl.log(rest_q)
+    if DIVERGENCE == 1:
+        g_r = log_rest_q - log_rest_p
+        f_r = rest_q * g_r
+    else:
+        log_mix = tl.log(tl.maximum(jsd_beta * rest_p + (1.0 - jsd_beta) * rest_q, FP32_TINY))
+        g_r = (1.0 - jsd_beta) * (log_rest_q - log_mix)
+        f_r = jsd_beta * rest_p * (log_rest_p - log_mix) + rest_q * g_r
+    return f_r, g_r
+
+
+@triton.jit
+def _ce_grad(alpha, rho, r, rmask, w_rank_1, sum_1, ce_weight, beta_ptr, label_sparse_ptr, label_owned_ptr,
+             SEPARATE_BETA: tl.constexpr):
+    """The CE gradient's per-row terms: α (+ its softmax at τ = 1) returned, β and the label's stored."""
+    ce_scale = ce_weight * rho
+    scale_1 = w_rank_1 / sum_1
+    if SEPARATE_BETA:
+        tl.store(beta_ptr + r, ce_scale * scale_1, mask=rmask)
+    else:
+        alpha += ce_scale * scale_1
+    tl.store(label_sparse_ptr + r, -ce_scale * tl.load(label_owned_ptr + r, mask=rmask, other=0.0), mask=rmask)
+    return alpha
 
 
 @triton.jit
@@ -156,14 +241,20 @@ def row_terms_kernel(
     const_ptr, lse_coef_ptr, mass_ptr, rho_ptr, label_owned_ptr,  # [rows] teacher terms, ρ, label owner
     kd_ptr, ce_ptr,  # out [rows]: L before kd_weight·τ², and the CE term
     alpha_ptr, beta_ptr, sparse_scale_ptr, ghost_ptr, label_sparse_ptr,  # out [rows]: see RowTerms
+    zs_ptr, owned_ptr, log_target_ptr, K,  # reverse / jsd: [rows, K] z_S, owned, log P_v
+    sums_ptr, shift_ptr, center_ptr,  # reverse / jsd: [rows, 2] F, H (see SUMS); out [rows]: see RowTerms
     kd_grad_weight, ce_weight, inv_tau,  # kd_weight·τ, ce_weight, 1/τ
+    jsd_beta, log_beta, log1m_beta,  # β, log β, log(1 - β) of divergence="jsd"
     TP: tl.constexpr, NUM_STATS: tl.constexpr,
     I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
     I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr,
     GHOST: tl.constexpr, HAS_LABELS: tl.constexpr, NEED_GRAD: tl.constexpr,
-    CE_GRAD: tl.constexpr, SEPARATE_BETA: tl.constexpr, BLOCK_R: tl.constexpr,
+    CE_GRAD: tl.constexpr, SEPARATE_BETA: tl.constexpr,
+    DIVERGENCE: tl.constexpr, SUMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KT: tl.constexpr,
+    K_TILES: tl.constexpr,
 ):
-    """combine_row_stats + row_losses + grad_coefficients of topk_kl_torch, for BLOCK_R rows."""
+    """combine_row_stats + row_losses + grad_coefficients of topk_kl_torch (forward), or their
+    support_divergence.py counterparts (reverse, jsd), for BLOCK_R rows."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < rows
     row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -192,36 +283,73 @@ def row_terms_kernel(
     student_mass = teacher_sum / sum_t  # Q
     scale_t = w_rank_t / sum_t
 
-    const = tl.load(const_ptr + r, mask=rmask, other=0.0)
-    lse_coef = tl.load(lse_coef_ptr + r, mask=rmask, other=0.0)
-    kd = const + lse_coef * (row_max * inv_tau + tl.log(sum_t)) - target_dot * inv_tau
-    if GHOST:
-        mass = tl.load(mass_ptr + r, mask=rmask, other=0.0)
-        tail_mass = tl.maximum(1.0 - mass, 0.0)
-        one_minus_q = tl.maximum(1.0 - student_mass, FP32_TINY)
-        kd -= tail_mass * tl.log(one_minus_q)
-    tl.store(kd_ptr + r, kd, mask=rmask)
-    if HAS_LABELS:
-        tl.store(ce_ptr + r, row_max + tl.log(sum_1) - label_logit, mask=rmask)
-    if NEED_GRAD:
-        rho = tl.load(rho_ptr + r, mask=rmask, other=0.0)
-        kd_scale = kd_grad_weight * rho
+    if DIVERGENCE == 0:
+        const = tl.load(const_ptr + r, mask=rmask, other=0.0)
+        lse_coef = tl.load(lse_coef_ptr + r, mask=rmask, other=0.0)
+        kd = const + lse_coef * (row_max * inv_tau + tl.log(sum_t)) - target_dot * inv_tau
         if GHOST:
-            ghost_ratio = tail_mass / one_minus_q
-            alpha = kd_scale * (mass - ghost_ratio * student_mass) * scale_t
-            tl.store(ghost_ptr + r, kd_scale * ghost_ratio * scale_t, mask=rmask)
-        else:
-            alpha = kd_scale * lse_coef * scale_t
-        if CE_GRAD:
-            ce_scale = ce_weight * rho
-            scale_1 = w_rank_1 / sum_1
-            if SEPARATE_BETA:
-                tl.store(beta_ptr + r, ce_scale * scale_1, mask=rmask)
+            mass = tl.load(mass_ptr + r, mask=rmask, other=0.0)
+            tail_mass = tl.maximum(1.0 - mass, 0.0)
+            one_minus_q = tl.maximum(1.0 - student_mass, FP32_TINY)
+            kd -= tail_mass * tl.log(one_minus_q)
+        tl.store(kd_ptr + r, kd, mask=rmask)
+        if HAS_LABELS:
+            tl.store(ce_ptr + r, row_max + tl.log(sum_1) - label_logit, mask=rmask)
+        if NEED_GRAD:
+            rho = tl.load(rho_ptr + r, mask=rmask, other=0.0)
+            kd_scale = kd_grad_weight * rho
+            if GHOST:
+                ghost_ratio = tail_mass / one_minus_q
+                alpha = kd_scale * (mass - ghost_ratio * student_mass) * scale_t
+                tl.store(ghost_ptr + r, kd_scale * ghost_ratio * scale_t, mask=rmask)
             else:
-                alpha += ce_scale * scale_1
-            tl.store(label_sparse_ptr + r, -ce_scale * tl.load(label_owned_ptr + r, mask=rmask, other=0.0), mask=rmask)
-        tl.store(alpha_ptr + r, alpha, mask=rmask)
-        tl.store(sparse_scale_ptr + r, -kd_scale, mask=rmask)
+                alpha = kd_scale * lse_coef * scale_t
+            if CE_GRAD:
+                alpha = _ce_grad(alpha, rho, r, rmask, w_rank_1, sum_1, ce_weight, beta_ptr, label_sparse_ptr,
+                                 label_owned_ptr, SEPARATE_BETA)
+            tl.store(alpha_ptr + r, alpha, mask=rmask)
+            tl.store(sparse_scale_ptr + r, -kd_scale, mask=rmask)
+    else:
+        # log Q_v = (z_v - r_local)/τ - shift: the global logsumexp (and for renorm log Q_S) less this
+        # rank's reference, the form grad_fixup_kernel evaluates too
+        ref_local = tl.load(stats_ptr + (rank * rows + r) * NUM_STATS + I_MAX, mask=rmask, other=0.0)
+        shift = (row_max - ref_local) * inv_tau + tl.log(sum_t)
+        if not GHOST:  # renorm; Q_S below fp32's tiny (S 87 nats under the row max) is taken as tiny
+            shift += tl.log(tl.maximum(student_mass, FP32_TINY))
+        if SUMS == SUMS_LOADED:
+            f_sum = tl.load(sums_ptr + r * 2, mask=rmask, other=0.0)
+            h_sum = tl.load(sums_ptr + r * 2 + 1, mask=rmask, other=0.0)
+        else:
+            f_sum, h_sum = _support_sums(zs_ptr, owned_ptr, log_target_ptr, r, rmask, K, ref_local, shift, inv_tau,
+                                         jsd_beta, log_beta, log1m_beta, DIVERGENCE, BLOCK_R, BLOCK_KT, K_TILES)
+        if SUMS == SUMS_PARTIAL:
+            tl.store(sums_ptr + r * 2, f_sum, mask=rmask)
+            tl.store(sums_ptr + r * 2 + 1, h_sum, mask=rmask)
+        else:
+            if GHOST:
+                mass = tl.load(mass_ptr + r, mask=rmask, other=0.0)
+                f_r, g_r = _ghost_rest(mass, student_mass, jsd_beta, DIVERGENCE)
+                kd = f_sum + f_r
+                dense = student_mass * g_r - h_sum
+                center = g_r
+            else:
+                kd = f_sum
+                dense = tl.zeros([BLOCK_R], tl.float32)
+                center = h_sum
+            tl.store(kd_ptr + r, kd, mask=rmask)
+            if HAS_LABELS:
+                tl.store(ce_ptr + r, row_max + tl.log(sum_1) - label_logit, mask=rmask)
+            if NEED_GRAD:
+                rho = tl.load(rho_ptr + r, mask=rmask, other=0.0)
+                kd_scale = kd_grad_weight * rho
+                alpha = kd_scale * dense * scale_t
+                if CE_GRAD:
+                    alpha = _ce_grad(alpha, rho, r, rmask, w_rank_1, sum_1, ce_weight, beta_ptr, label_sparse_ptr,
+                                     label_owned_ptr, SEPARATE_BETA)
+                tl.store(alpha_ptr + r, alpha, mask=rmask)
+                tl.store(sparse_scale_ptr + r, -kd_scale, mask=rmask)
+                tl.store(shift_ptr + r, shift, mask=rmask)
+                tl.store(center_ptr + r, center, mask=rmask)
 
 
 @triton.jit
@@ -240,11 +368,15 @@ def grad_fixup_kernel(
     idx_ptr, owned_ptr, target_ptr,  # [c, K]
     label_idx_ptr, label_owned_ptr, label_sparse_ptr,  # [c]
     sigma_ptr,  # out: [c] σ
-    K, scale_t, tau,
+    log_target_ptr, shift_ptr, center_ptr,  # reverse / jsd: [c, K] log P_v, [c] from row_terms_kernel
+    K, scale_t, tau, inv_tau, jsd_beta, log_beta, log1m_beta,
     V: tl.constexpr, NUM_TILES: tl.constexpr, NUM_STATS: tl.constexpr, I_MAX: tl.constexpr, I_LABEL: tl.constexpr,
     HAS_BETA: tl.constexpr, GHOST: tl.constexpr, HAS_LABELS: tl.constexpr,
+    DIVERGENCE: tl.constexpr, SPARSE_ONLY: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """SPARSE_ONLY: the gradient has no dense part (renorm reverse / jsd without a CE gradient), the
+    block holds zeros (exp_stats_kernel's WRITE_ZEROS) and only the sparse entries are written, σ = 1."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     ref = tl.load(stats_ptr + row * NUM_STATS + I_MAX)
@@ -258,17 +390,25 @@ def grad_fixup_kernel(
     idx = tl.load(idx_ptr + row * K + k, mask=kmask, other=-1).to(tl.int32)  # V_local < 2^31; half the registers
     owned = tl.load(owned_ptr + row * K + k, mask=kmask, other=0.0) != 0
     z_s = tl.load(zs_ptr + row * K + k, mask=kmask, other=0.0)
-    # The teacher entries' own term: -kd_scale·B_v (+ the ghost tail's r·q_v, q_v from the local reference).
-    sparse = tl.load(sparse_scale_ptr + row) * tl.load(target_ptr + row * K + k, mask=kmask, other=0.0)
-    if GHOST:
-        q_local = tl.exp2((tl.where(owned, z_s, ref) - ref) * scale_t)
-        sparse += tl.where(owned, tl.load(ghost_ptr + row) * q_local, 0.0)
+    if DIVERGENCE == 0:
+        # The teacher entries' own term: -kd_scale·B_v (+ the ghost tail's r·q_v, q_v from the local reference).
+        sparse = tl.load(sparse_scale_ptr + row) * tl.load(target_ptr + row * K + k, mask=kmask, other=0.0)
+        if GHOST:
+            q_local = tl.exp2((tl.where(owned, z_s, ref) - ref) * scale_t)
+            sparse += tl.where(owned, tl.load(ghost_ptr + row) * q_local, 0.0)
+    else:  # kd_scale·Q_v·(g_v - center), log Q_v in the form row_terms_kernel summed it
+        log_p = tl.load(log_target_ptr + row * K + k, mask=kmask & owned, other=0.0)
+        log_q = tl.where(owned, (z_s - ref) * inv_tau - tl.load(shift_ptr + row), 0.0)
+        _f, g, q = _entry_terms(log_q, log_p, jsd_beta, log_beta, log1m_beta, DIVERGENCE)
+        sparse = tl.where(owned, tl.load(sparse_scale_ptr + row) * q * (tl.load(center_ptr + row) - g), 0.0)
     # Total sparse term at each entry's column, summed over duplicates of that column. (A genuine
     # top-K has none, but the cache format allows them. This K x K comparison costs ~6% of the
     # old gradient pass at K = 100; summing duplicates once per call instead measured no cheaper: a
     # per-row sort of [T, K] took 0.4 ms, the same comparison as its own pass 1.5 ms per 32K tokens.)
     same = (idx[:, None] == idx[None, :]) & owned[None, :]
-    g_s = _dense_grad(z_s, ref, alpha, beta, scale_t, HAS_BETA) + tl.sum(tl.where(same, sparse[None, :], 0.0), axis=1)
+    g_s = tl.sum(tl.where(same, sparse[None, :], 0.0), axis=1)
+    if not SPARSE_ONLY:
+        g_s += _dense_grad(z_s, ref, alpha, beta, scale_t, HAS_BETA)
     if HAS_LABELS:
         label_idx = tl.load(label_idx_ptr + row)
         label_owned = tl.load(label_owned_ptr + row) != 0
@@ -280,9 +420,14 @@ def grad_fixup_kernel(
     largest = tl.max(tl.where(owned, tl.abs(g_s), 0.0), axis=0)  # the sparse entries' final values
     if HAS_LABELS:
         largest = tl.maximum(largest, tl.where(label_owned, tl.abs(g_label), 0.0))
-    whole = (largest > SPARSE_RATIO * tl.abs(alpha)) | (beta != 0.0)
-    sigma = tl.where(whole, 1.0, alpha)
-    raised = tl.load(ref_ptr + row * NUM_TILES) < ref  # references only rise along the row
+    if SPARSE_ONLY:
+        whole = False
+        sigma = alpha * 0.0 + 1.0
+        raised = False
+    else:
+        whole = (largest > SPARSE_RATIO * tl.abs(alpha)) | (beta != 0.0)
+        sigma = tl.where(whole, 1.0, alpha)
+        raised = tl.load(ref_ptr + row * NUM_TILES) < ref  # references only rise along the row
     if whole | raised:
         cols = tl.arange(0, BLOCK_V)
         for t in range(NUM_TILES):
@@ -334,17 +479,20 @@ def exp_row_stats_(
     temperature: float,
     *,
     write: bool,
+    zeros: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The contract of ``topk_kl_torch.local_row_stats_`` (stats, z_S), and with ``write`` the block
     overwritten by E and the reference each tile used ([c, tiles], for ``grad_fixup_``); without it
-    the block is left intact and no references are returned."""
+    the block is left intact and no references are returned. ``zeros`` (with ``write``): the block is
+    overwritten by 0 instead, for a gradient without a dense part (``RowTerms.sparse_only``)."""
     rows, vocab_local = block.shape
     k = teacher.local_idx.shape[1]
     stats = torch.empty(rows, NUM_ROW_STATS, dtype=torch.float32, device=block.device)
     z_s = torch.empty(rows, k, dtype=torch.float32, device=block.device)
     block_v, warps = _launch_config(vocab_local)
     tiles = triton.cdiv(vocab_local, block_v)
-    refs = torch.empty(rows, tiles, dtype=torch.float32, device=block.device) if write else None
+    keep_refs = write and not zeros
+    refs = torch.empty(rows, tiles, dtype=torch.float32, device=block.device) if keep_refs else None
     has_labels = label_idx is not None
     separate_sum_1 = has_labels and temperature != 1.0
     scale_t = LOG2E.value / temperature
@@ -352,27 +500,101 @@ def exp_row_stats_(
         block, block.stride(0),
         teacher.local_idx, teacher.owned, teacher.target_owned,
         label_idx if has_labels else stats, label_owned if has_labels else stats,
-        stats, z_s, refs if write else stats,
+        stats, z_s, refs if keep_refs else stats,
         k, scale_t, max(scale_t, LOG2E.value) if separate_sum_1 else scale_t,
         V=vocab_local, NUM_TILES=tiles,
         NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
         I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
-        HAS_LABELS=has_labels, SEPARATE_SUM_1=separate_sum_1, WRITE=write,
+        HAS_LABELS=has_labels, SEPARATE_SUM_1=separate_sum_1, WRITE=write, WRITE_ZEROS=write and zeros,
         BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
     )
     return stats, z_s, refs
 
 
+@dataclass(frozen=True)
+class SupportSpec:
+    """A divergence other than "forward" over the cached support, as the kernels take it."""
+
+    divergence: str  # "reverse" | "jsd"
+    jsd_beta: float
+    tail: str  # "renorm" | "ghost"
+
+    @property
+    def code(self) -> int:
+        return DIVERGENCE_CODES[self.divergence]
+
+    def beta_args(self) -> tuple[float, float, float]:
+        """(β, log β, log(1 - β)) as the kernels take them (unused by reverse)."""
+        return self.jsd_beta, math.log(self.jsd_beta), math.log1p(-self.jsd_beta)
+
+    def sparse_only(self, ce_grad: bool) -> bool:
+        """renorm's Q depends on z only at the teacher entries: without a CE gradient no dense part."""
+        return self.tail == "renorm" and not ce_grad
+
+
 @dataclass
 class RowTerms:
     """Per-row coefficients of dLoss/dz on this rank's block (the GradCoefs of topk_kl_torch with
-    the [c, K] sparse term left as sparse_scale·B_v + ghost·exp((z_v - m_r)/τ), formed in the kernel)."""
+    the [c, K] sparse term left as sparse_scale·B_v + ghost·exp((z_v - m_r)/τ), formed in the kernel;
+    reverse / jsd: sparse_scale·Q_v·(center - g_v), log Q_v = (z_v - r)/τ - log_q_shift)."""
 
     alpha: torch.Tensor  # [c]
     beta: torch.Tensor | None  # [c], CE softmax at τ != 1
     sparse_scale: torch.Tensor  # [c] -kd_weight·τ·ρ
-    ghost: torch.Tensor | None  # [c] kd_weight·τ·ρ·r·scale_t (ghost tail)
+    ghost: torch.Tensor | None  # [c] kd_weight·τ·ρ·r·scale_t (ghost tail, forward)
     label_sparse: torch.Tensor | None  # [c] -ce_weight·ρ where this rank owns the label
+    support: SupportSpec | None = None  # reverse / jsd
+    log_q_shift: torch.Tensor | None = None  # [c] reverse / jsd
+    center: torch.Tensor | None = None  # [c] reverse / jsd: H (renorm) or g_rest (ghost)
+    sparse_only: bool = False  # no dense part: the block holds zeros, σ = 1
+
+
+def _launch_row_terms(all_stats, rank, teacher, rho, label_owned, kd_out, ce_out, z_s, sums, outs: dict, *,
+                      kd_weight, ce_weight, temperature, tail, need_grad, support: SupportSpec | None, sums_mode):
+    tp, rows, _ = all_stats.shape
+    has_labels = ce_out is not None
+    ce_grad = has_labels and ce_weight != 0
+    ptr = lambda t: kd_out if t is None else t  # noqa: E731 (a pointer for what this variant never touches)
+    beta, log_beta, log1m_beta = support.beta_args() if support is not None else (0.5, 0.0, 0.0)
+    block_r = ROW_TERMS_BLOCK if support is None else ROW_TERMS_SUPPORT_BLOCK
+    k = teacher.local_idx.shape[1]
+    block_kt = min(ENTRY_TILE, triton.next_power_of_2(max(k, 1)))
+    row_terms_kernel[(triton.cdiv(rows, block_r),)](
+        all_stats.contiguous(), rows, rank,
+        teacher.const, teacher.lse_coef, teacher.mass, rho, ptr(label_owned if has_labels else None),
+        kd_out, ptr(ce_out),
+        *(ptr(outs.get(n)) for n in ("alpha", "beta", "sparse_scale", "ghost", "label_sparse")),
+        ptr(z_s if support is not None else None), teacher.owned, ptr(teacher.log_target), k,
+        ptr(sums), ptr(outs.get("log_q_shift")), ptr(outs.get("center")),
+        kd_weight * temperature, ce_weight, 1.0 / temperature, beta, log_beta, log1m_beta,
+        TP=tp, NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
+        I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
+        GHOST=tail == "ghost", HAS_LABELS=has_labels, NEED_GRAD=need_grad, CE_GRAD=ce_grad,
+        SEPARATE_BETA=ce_grad and temperature != 1.0,
+        DIVERGENCE=0 if support is None else support.code, SUMS=sums_mode.value,
+        BLOCK_R=block_r, BLOCK_KT=block_kt, K_TILES=triton.cdiv(k, block_kt) if support is not None else 0,
+    )
+
+
+def support_sums(
+    all_stats: torch.Tensor,
+    rank: int,
+    teacher: chunk_math.ChunkTeacher,
+    z_s: torch.Tensor,
+    *,
+    temperature: float,
+    support: SupportSpec,
+) -> torch.Tensor:
+    """[c, 2] this rank's partial F, H (support_divergence.py) over its own teacher entries, for an
+    all-reduce over the TP group before ``row_terms(..., sums=...)`` (TP > 1 only: at TP = 1
+    ``row_terms`` sums them itself)."""
+    rows = all_stats.shape[1]
+    sums = torch.empty(rows, 2, dtype=torch.float32, device=all_stats.device)
+    scratch = torch.empty(rows, dtype=torch.float32, device=all_stats.device)
+    _launch_row_terms(all_stats, rank, teacher, scratch, None, scratch, None, z_s, sums, {},
+                      kd_weight=0.0, ce_weight=0.0, temperature=temperature, tail=support.tail, need_grad=False,
+                      support=support, sums_mode=SUMS_PARTIAL)
+    return sums
 
 
 def row_terms(
@@ -389,68 +611,78 @@ def row_terms(
     temperature: float,
     tail: str,
     need_grad: bool,
+    support: SupportSpec | None = None,
+    z_s: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
 ) -> RowTerms | None:
     """[tp, c, NUM_ROW_STATS] from every rank -> per-token KD (and CE) into ``kd_out`` (``ce_out``),
-    and the gradient's per-row terms when ``need_grad``."""
-    tp, rows, _ = all_stats.shape
+    and the gradient's per-row terms when ``need_grad``. ``support`` (reverse / jsd) needs ``z_s``
+    and, under TP, the all-reduced ``support_sums`` as ``sums``."""
+    rows = all_stats.shape[1]
     has_labels = ce_out is not None
     ce_grad = has_labels and ce_weight != 0
     separate_beta = ce_grad and temperature != 1.0
-    ghost = tail == "ghost"
 
     def grad_out(wanted: bool) -> torch.Tensor | None:
         return torch.empty(rows, dtype=torch.float32, device=all_stats.device) if need_grad and wanted else None
 
-    alpha, sparse_scale = grad_out(True), grad_out(True)
-    beta, ghost_c, label_sparse = grad_out(separate_beta), grad_out(ghost), grad_out(ce_grad)
-    ptr = lambda t: kd_out if t is None else t  # noqa: E731 (a pointer for what this variant never touches)
-    row_terms_kernel[(triton.cdiv(rows, ROW_TERMS_BLOCK),)](
-        all_stats.contiguous(), rows, rank,
-        teacher.const, teacher.lse_coef, teacher.mass, rho, ptr(label_owned if has_labels else None),
-        kd_out, ptr(ce_out),
-        ptr(alpha), ptr(beta), ptr(sparse_scale), ptr(ghost_c), ptr(label_sparse),
-        kd_weight * temperature, ce_weight, 1.0 / temperature,
-        TP=tp, NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
-        I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
-        GHOST=ghost, HAS_LABELS=has_labels, NEED_GRAD=need_grad, CE_GRAD=ce_grad, SEPARATE_BETA=separate_beta,
-        BLOCK_R=ROW_TERMS_BLOCK,
-    )
+    outs = dict(alpha=grad_out(True), sparse_scale=grad_out(True), beta=grad_out(separate_beta),
+                ghost=grad_out(tail == "ghost" and support is None), label_sparse=grad_out(ce_grad),
+                log_q_shift=grad_out(support is not None), center=grad_out(support is not None))
+    if support is None:
+        mode = SUMS_NONE
+    else:
+        assert z_s is not None and (sums is not None or all_stats.shape[0] == 1), "reverse / jsd at TP > 1: sums"
+        mode = SUMS_INLINE if sums is None else SUMS_LOADED
+    _launch_row_terms(all_stats, rank, teacher, rho, label_owned, kd_out, ce_out, z_s, sums, outs,
+                      kd_weight=kd_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
+                      need_grad=need_grad, support=support, sums_mode=mode)
     if not need_grad:
         return None
-    return RowTerms(alpha=alpha, beta=beta, sparse_scale=sparse_scale, ghost=ghost_c, label_sparse=label_sparse)
+    return RowTerms(**{n: outs[n] for n in ("alpha", "beta", "sparse_scale", "ghost", "label_sparse")},
+                    support=support, log_q_shift=outs["log_q_shift"], center=outs["center"],
+                    sparse_only=support is not None and support.sparse_only(ce_grad))
 
 
 def grad_fixup_(
     block: torch.Tensor,
     local_stats: torch.Tensor,
     z_s: torch.Tensor,
-    refs: torch.Tensor,
+    refs: torch.Tensor | None,
     terms: RowTerms,
     teacher: chunk_math.ChunkTeacher,
     label_idx: torch.Tensor | None,
     label_owned: torch.Tensor | None,
     temperature: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """E (``exp_row_stats_(write=True)``) -> (X, σ) in place, dLoss/dz = σ[:, None]·X (see ``RowTerms``)."""
+    """E (``exp_row_stats_(write=True)``; zeros with ``terms.sparse_only``) -> (X, σ) in place,
+    dLoss/dz = σ[:, None]·X (see ``RowTerms``)."""
     rows, vocab_local = block.shape
     k = teacher.local_idx.shape[1]
     has_labels = terms.label_sparse is not None
     alpha = terms.alpha
     sigma = torch.empty(rows, dtype=torch.float32, device=block.device)
     block_v, _ = _launch_config(vocab_local)
+    support = terms.support
+    assert not (terms.sparse_only and (has_labels or terms.beta is not None))  # no CE gradient there
+    beta, log_beta, log1m_beta = support.beta_args() if support is not None else (0.5, 0.0, 0.0)
     warps = FIXUP_NUM_WARPS
     grad_fixup_kernel[(rows,)](
         block, block.stride(0),
-        local_stats, z_s, refs,
+        local_stats, z_s, refs if refs is not None else alpha,
         alpha, terms.beta if terms.beta is not None else alpha, terms.sparse_scale,
         terms.ghost if terms.ghost is not None else alpha,
         teacher.local_idx, teacher.owned, teacher.target_owned,
         label_idx if has_labels else alpha, label_owned if has_labels else alpha,
         terms.label_sparse if has_labels else alpha,
         sigma,
-        k, LOG2E.value / temperature, float(temperature),
-        V=vocab_local, NUM_TILES=refs.shape[1], NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_LABEL=ROW_LABEL_LOGIT,
+        teacher.log_target if support is not None else alpha,
+        terms.log_q_shift if support is not None else alpha, terms.center if support is not None else alpha,
+        k, LOG2E.value / temperature, float(temperature), 1.0 / temperature, beta, log_beta, log1m_beta,
+        V=vocab_local, NUM_TILES=triton.cdiv(vocab_local, block_v), NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX,
+        I_LABEL=ROW_LABEL_LOGIT,
         HAS_BETA=terms.beta is not None, GHOST=terms.ghost is not None, HAS_LABELS=has_labels,
+        DIVERGENCE=0 if support is None else support.code, SPARSE_ONLY=terms.sparse_only,
         BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
     )
     return block, sigma

@@ -20,17 +20,25 @@ from kd_inputs import loss_and_grads, make_inputs, rel_err
 from megatron_kd.ops import TAILS, fused_topk_kl, topk_kl_reference
 
 CASES = list(itertools.product(TAILS, [1.0, 2.0], [0.0, 0.5]))
+# reverse / jsd: the per-row sums over the teacher entries are partial sums per rank (an all-reduce)
+SUPPORT_CASES = [(div, tail, tau, ce) for div in ("reverse", "jsd") for tail in ("renorm", "ghost")
+                 for tau, ce in ((1.0, 0.0), (2.0, 0.5))]
 
 
-def _tp_worker(rank, world, seed, sequence_parallel, dtype, tol, device, impl):
+def _tp_worker(rank, world, seed, sequence_parallel, dtype, tol, device, impl, cases="forward"):
     with megatron_cpu_patches() if device == "cpu" else contextlib.nullcontext():
         group = init_tensor_parallel(world)
         torch.manual_seed(seed)
-        for tail, temperature, ce_weight in CASES:
-            x = make_inputs(s=6 * world, b=2, h=16, vocab=37 * world, k=9, dtype=dtype)
+        cases = [("forward", *c) for c in CASES] if cases == "forward" else SUPPORT_CASES
+        for divergence, tail, temperature, ce_weight in cases:
+            # reverse / jsd: fewer tokens (the Triton interpreter's time is per row)
+            s = 6 * world if divergence == "forward" else 2 * world
+            x = make_inputs(s=s, b=2, h=16, vocab=37 * world, k=9, dtype=dtype)
             x = x.to(device=torch.device(device, rank) if device == "cuda" else device)
-            kw = dict(loss_mask=x.loss_mask, labels=x.labels, ce_weight=ce_weight,
-                      temperature=temperature, tail=tail, reduction="mean", chunk_size=5)
+            kw = dict(loss_mask=x.loss_mask, labels=x.labels, ce_weight=ce_weight, temperature=temperature,
+                      tail=tail, reduction="mean", chunk_size=5)
+            if divergence != "forward":
+                kw.update(divergence=divergence, jsd_beta=0.3)
             fused = functools.partial(fused_topk_kl, impl=impl)
             single = loss_and_grads(fused, x, **kw)
             weight_shard = x.weight.chunk(world, dim=0)[rank]
@@ -40,7 +48,8 @@ def _tp_worker(rank, world, seed, sequence_parallel, dtype, tol, device, impl):
                     fn, x, hidden=hidden_in, weight=weight_shard, tp_group=group,
                     sequence_parallel=sequence_parallel, **kw,
                 )
-                where = f"{getattr(fn, '__name__', impl)} rank {rank} tail={tail} tau={temperature} ce={ce_weight}"
+                where = (f"{getattr(fn, '__name__', impl)} rank {rank} {divergence} tail={tail} tau={temperature} "
+                         f"ce={ce_weight}")
                 assert rel_err(loss, single[0]) <= tol, where
                 for key in stats:
                     assert rel_err(stats[key], single[1][key]) <= tol, (where, key)
@@ -71,3 +80,19 @@ cpu_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 def test_tensor_parallel_matches_single_rank(seed, sequence_parallel, device, dtype, tol, impl):
     backend = "nccl" if device == "cuda" else "gloo"
     spawn(_tp_worker, seed, sequence_parallel, dtype, tol, device, impl, world_size=2, backend=backend)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+@pytest.mark.parametrize(
+    "device, dtype, tol, impl",
+    [
+        ("cpu", torch.float64, 1e-12, "torch"),
+        pytest.param("cpu", torch.float32, 1e-5, "triton", marks=cpu_triton),
+        pytest.param("cuda", torch.float32, 1e-5, "triton", marks=two_gpus),
+        pytest.param("cuda", torch.bfloat16, 2e-2, "triton", marks=two_gpus),
+    ],
+    ids=["gloo-fp64", "gloo-fp32-triton", "nccl-fp32-triton", "nccl-bf16-triton"],
+)
+def test_tensor_parallel_reverse_and_jsd_match_single_rank(seed, sequence_parallel, device, dtype, tol, impl):
+    backend = "nccl" if device == "cuda" else "gloo"
+    spawn(_tp_worker, seed, sequence_parallel, dtype, tol, device, impl, "support", world_size=2, backend=backend)

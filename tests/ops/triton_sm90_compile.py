@@ -8,7 +8,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from megatron_kd.ops.topk_kl_triton import (
+    ENTRY_TILE,
     ROW_TERMS_BLOCK,
+    ROW_TERMS_SUPPORT_BLOCK,
+    SUMS_INLINE,
+    SUMS_LOADED,
+    SUMS_NONE,
+    SUMS_PARTIAL,
     exp_stats_kernel,
     grad_fixup_kernel,
     row_terms_kernel,
@@ -37,30 +43,44 @@ def main():
             "stats_ptr": "*fp32", "zs_ptr": "*fp32", "K": "i32", "scale_t": "fp32"}
     stats = {"NUM_STATS": 6, "I_MAX": 0, "I_LABEL": 5, "V": GPT_OSS_VOCAB, "NUM_TILES": 50, "BLOCK_V": 4096,
              "BLOCK_K": 128}
-    compile_sm90(
-        exp_stats_kernel,
-        {"z_ptr": "*bf16", "z_stride": "i64", "target_ptr": "*fp32", "ref_ptr": "*fp32", "steep": "fp32", **rows},
-        {**stats, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "HAS_LABELS": True, "SEPARATE_SUM_1": True,
-         "WRITE": True},
-        num_warps=4,
-    )
+    for zeros in (False, True):  # E written back, or zeros (renorm reverse / jsd without CE)
+        compile_sm90(
+            exp_stats_kernel,
+            {"z_ptr": "*bf16", "z_stride": "i64", "target_ptr": "*fp32", "ref_ptr": "*fp32", "steep": "fp32", **rows},
+            {**stats, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "HAS_LABELS": True,
+             "SEPARATE_SUM_1": not zeros, "WRITE": True, "WRITE_ZEROS": zeros},
+            num_warps=4,
+        )
     fixup = {"x_ptr": "*bf16", "x_stride": "i64", "ref_ptr": "*fp32", "alpha_ptr": "*fp32", "beta_ptr": "*fp32",
              "sparse_scale_ptr": "*fp32", "ghost_ptr": "*fp32", "target_ptr": "*fp32", "label_sparse_ptr": "*fp32",
-             "sigma_ptr": "*fp32", "tau": "fp32", **rows}
-    for every_term in (True, False):  # the whole-row rewrite with every term, and the sparse-only common case
+             "sigma_ptr": "*fp32", "log_target_ptr": "*fp32", "shift_ptr": "*fp32", "center_ptr": "*fp32",
+             "tau": "fp32", "inv_tau": "fp32", "jsd_beta": "fp32", "log_beta": "fp32", "log1m_beta": "fp32", **rows}
+    # forward: the whole-row rewrite with every term, and the sparse-only common case; reverse with
+    # the CE softmax; jsd with the zeroed block (renorm without CE)
+    for every_term, divergence, sparse_only in ((True, 0, False), (False, 0, False), (True, 1, False),
+                                                (False, 2, True)):
         compile_sm90(grad_fixup_kernel, fixup,
-                     {**stats, "HAS_BETA": every_term, "GHOST": every_term, "HAS_LABELS": every_term}, num_warps=4)
+                     {**stats, "HAS_BETA": every_term, "GHOST": every_term and divergence == 0,
+                      "HAS_LABELS": every_term, "DIVERGENCE": divergence, "SPARSE_ONLY": sparse_only}, num_warps=4)
     row_vectors = ("const", "lse_coef", "mass", "rho", "label_owned", "kd", "ce", "alpha", "beta", "sparse_scale",
                    "ghost", "label_sparse")
-    compile_sm90(
-        row_terms_kernel,
-        {"stats_ptr": "*fp32", "rows": "i32", "rank": "i32", **{f"{n}_ptr": "*fp32" for n in row_vectors},
-         "kd_grad_weight": "fp32", "ce_weight": "fp32", "inv_tau": "fp32"},
-        {"TP": 2, "NUM_STATS": 6, "I_MAX": 0, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "I_LABEL": 5,
-         "GHOST": True, "HAS_LABELS": True, "NEED_GRAD": True, "CE_GRAD": True, "SEPARATE_BETA": True,
-         "BLOCK_R": ROW_TERMS_BLOCK},
-        num_warps=4,
-    )
+    support_vectors = ("zs", "owned", "log_target", "sums", "shift", "center")
+    # forward; then reverse / jsd at TP = 1 (sums inline), TP > 1 before and after the sums' all-reduce
+    for divergence, sums, tp, block_r in ((0, SUMS_NONE, 2, ROW_TERMS_BLOCK), (1, SUMS_INLINE, 1, ROW_TERMS_SUPPORT_BLOCK),
+                                          (2, SUMS_PARTIAL, 2, ROW_TERMS_SUPPORT_BLOCK),
+                                          (2, SUMS_LOADED, 2, ROW_TERMS_SUPPORT_BLOCK)):
+        compile_sm90(
+            row_terms_kernel,
+            {"stats_ptr": "*fp32", "rows": "i32", "rank": "i32",
+             **{f"{n}_ptr": "*fp32" for n in row_vectors + support_vectors}, "K": "i32",
+             "kd_grad_weight": "fp32", "ce_weight": "fp32", "inv_tau": "fp32", "jsd_beta": "fp32", "log_beta": "fp32",
+             "log1m_beta": "fp32"},
+            {"TP": tp, "NUM_STATS": 6, "I_MAX": 0, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "I_LABEL": 5,
+             "GHOST": divergence != 1, "HAS_LABELS": True, "NEED_GRAD": True, "CE_GRAD": True, "SEPARATE_BETA": True,
+             "DIVERGENCE": divergence, "SUMS": sums.value, "BLOCK_R": block_r, "BLOCK_KT": ENTRY_TILE,
+             "K_TILES": 4 if divergence else 0},
+            num_warps=4,
+        )
     compile_sm90(
         scale_rows_kernel,
         {"src_ptr": "*fp32", "src_stride": "i64", "scale_ptr": "*fp32", "dst_ptr": "*bf16", "dst_stride": "i64"},
