@@ -10,7 +10,13 @@
 
 ``train``, ``cache build`` and ``export-hf`` take every Megatron-LM flag: ``--help`` lists ours,
 ``--help-megatron`` Megatron-LM's. Errors in the input print one line to stderr and exit with
-status 2.
+status 2; ``train`` and ``cache build`` check everything they can (flags, Hugging Face directories,
+Megatron-LM's validation, that the machine has CUDA) before any work.
+
+``megatron-kd --verbose <command>`` (or ``MEGATRON_KD_VERBOSE=1``) shows what the console filters
+(``megatron_kd/console.py``): third-party notices, and the stdout of ranks other than 0 under
+torchrun. Checks that run before any work are the same on every rank, so only rank 0 reports
+their mistakes; later errors are reported by each rank that meets them, naming the rank.
 """
 
 from __future__ import annotations
@@ -129,8 +135,12 @@ def _megatron_command_help(command: tuple[str, ...], megatron: bool) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from megatron_kd.demo import DemoConfig
+    from megatron_kd.errors import FlagParser
 
-    parser = argparse.ArgumentParser(prog="megatron-kd", description="Offline knowledge distillation for Megatron-Core.")
+    parser = FlagParser(prog="megatron-kd", description="Offline knowledge distillation for Megatron-Core.")
+    parser.add_argument("--verbose", action="store_true",
+                        help="Before the command: show third-party notices and every rank's output (also "
+                             "MEGATRON_KD_VERBOSE=1).")
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="End-to-end distillation on CPU: corpus, teacher, cache, KD and CE students.")
@@ -173,13 +183,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the commands that run on GPUs under torchrun: checked in full before any work
+GPU_COMMANDS = (("train",), ("cache", "build"))
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verbose = False
+    while argv[:1] == ["--verbose"]:
+        verbose, argv = True, argv[1:]
+    from megatron_kd import console
+
+    console.setup(verbose)  # before megatron / modelopt are imported: their notices come at import
     from megatron_kd.cache.codec import CacheError
     from megatron_kd.errors import UserError
 
     commands = {("train",): _cmd_train, ("cache", "build"): _cmd_cache_build, ("export-hf",): _cmd_export_hf,
                 ("plan",): _cmd_plan}
+    checking = True  # every rank meets the same mistakes here: rank 0 reports them
     try:
         # train / cache build / export-hf take Megatron-LM's own flags: hand them over untouched
         for command, run in commands.items():
@@ -187,11 +208,21 @@ def main(argv: list[str] | None = None) -> int:
                 rest = argv[len(command):]
                 if any(a in ("-h", "--help", "--help-megatron") for a in rest):
                     return _megatron_command_help(command, megatron="--help-megatron" in rest)
+                if command in GPU_COMMANDS:
+                    from megatron_kd.megatron.train import check_megatron_run
+
+                    flags = check_megatron_run(rest, " ".join(command))
+                    console.say(console.code_path_line(flags.transformer_impl))
+                checking = False
                 return run(argparse.Namespace(megatron_args=rest))
         args = build_parser().parse_args(argv)
+        checking = False
         return args.func(args)
     except (CacheError, UserError) as e:
-        print(f"megatron-kd: error: {e}", file=sys.stderr)
+        rank = console.rank()
+        if rank == 0 or not checking:
+            where = "" if rank == 0 else f" (rank {rank})"
+            print(f"megatron-kd: error{where}: {' '.join(str(e).splitlines())}", file=sys.stderr, flush=True)
         return 2
 
 

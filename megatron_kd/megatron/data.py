@@ -4,6 +4,11 @@
 - ``write_indexed_dataset``: documents of token ids -> Megatron's .bin/.idx pair.
 - ``build_gpt_datasets``: megatron-core's GPTDataset splits through BlendedMegatronDatasetBuilder,
   exactly as Megatron-LM's pretrain_gpt builds them (so sample indices agree with training).
+- ``repair_index_cache``: megatron-core caches each dataset's document / sample / shuffle index as
+  ``<hash>-<class>-<split>-<name>.npy`` (beside ``-description.txt``) and memory-maps them when all
+  are present. A process killed inside ``np.save`` leaves a truncated file that would then fail to
+  load on every later run; before megatron-core's builder runs, such a dataset's cached files are
+  removed (one line says so) and the builder writes them again.
 - fingerprints of tokenizers and datasets, stored in and checked against the teacher cache.
 """
 
@@ -11,12 +16,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
 from megatron.core.tokenizers.base_tokenizer import MegatronTokenizerBase
+
+from megatron_kd.errors import UserError
 
 
 class ByteTokenizer(MegatronTokenizerBase):
@@ -99,5 +107,54 @@ def build_gpt_datasets(data_prefixes: list[str], *, split: str, seq_length: int,
         eod_mask_loss=False, create_attention_mask=False, path_to_cache=cache_dir,
         mid_level_dataset_surplus=0.005,
     )
+    repair_index_cache(config)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank or (lambda: True), config)
     return tuple(builder.build())
+
+
+def index_cache_dirs(config) -> list[Path]:
+    """Where megatron-core keeps the index files of ``config``'s datasets: ``path_to_cache``, else
+    ``<prefix>/cache/GPTDataset_indices`` per data prefix (its default)."""
+    if config.path_to_cache:
+        return [Path(config.path_to_cache)]
+    blends = [config.blend, *(config.blend_per_split or [])]
+    prefixes = {p for blend in blends if blend for p in blend[0]}
+    return [Path(p) / "cache" / "GPTDataset_indices" for p in sorted(prefixes)]
+
+
+def _torn(path: Path) -> str | None:
+    """Why an index .npy cannot be memory-mapped (truncated, empty, bad header), or None."""
+    try:
+        np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def repair_index_cache(config) -> None:
+    """Remove every dataset's cached index files (all of its ``<hash>-<class>-<split>-*``) when one
+    of its .npy files is torn, so megatron-core's builder rebuilds them. Runs where the builder
+    writes (global rank 0, or without torch.distributed): the other ranks read the files only
+    after the builder's barrier, when rank 0 has written them again."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return
+    for directory in index_cache_dirs(config):
+        if not directory.is_dir():
+            continue
+        for path in sorted(directory.glob("*.npy")):
+            reason = _torn(path) if path.exists() else None
+            if reason is None:
+                continue
+            base = path.name[:path.name.rindex("-") + 1]  # "<hash>-<class>-<split>-"
+            for stale in sorted(directory.glob(f"{base}*")):
+                try:
+                    stale.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise UserError(f"dataset index cache {directory}: {path.name} is torn ({reason}) and {stale} "
+                                    f"cannot be removed ({e.strerror}): delete the files {base}* there") from None
+            print(f"megatron_kd: dataset index cache {directory}: {path.name} was torn ({reason}); removed "
+                  f"{base}* for megatron-core to rebuild", file=sys.stderr, flush=True)

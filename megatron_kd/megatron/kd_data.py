@@ -4,7 +4,9 @@
 cached teacher ids / log-probs. Start-up checks the cache against the run (vocabulary, K,
 sequence length, tokenizer and dataset fingerprints) and that every shard file the run's samples
 need is there, and stops with one clear message on any difference. Readers are opened lazily in
-each process (DataLoader workers prefetch in parallel).
+each process (DataLoader workers prefetch in parallel). A cache error met while reading a sample
+is raised as ``KDDataError`` (a CacheError), which keeps its one line when Megatron's DataLoader
+re-raises it from a worker process (``megatron_kd.errors.OneLineAcrossProcesses``).
 
 ``get_kd_batch`` extends Megatron's ``get_batch_on_this_tp_rank``: TP rank 0 reads the batch and
 broadcasts every tensor to its TP group (Megatron's own broadcast covers only fixed keys), then
@@ -19,10 +21,15 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.cache import CacheError, CacheReader
+from megatron_kd.errors import OneLineAcrossProcesses
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 
 TEACHER_KEYS = ("teacher_ids", "teacher_logprobs")
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", *TEACHER_KEYS)
+
+
+class KDDataError(OneLineAcrossProcesses, CacheError):
+    """A damaged or unreadable teacher cache met while reading a sample (one line, in any process)."""
 
 
 class KDDataset(torch.utils.data.Dataset):
@@ -64,7 +71,10 @@ class KDDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, idx: int) -> dict:
         item = dict(self.base[idx])
-        ids, logprobs = self.reader.read(int(idx))
+        try:
+            ids, logprobs = self.reader.read(int(idx))
+        except CacheError as e:
+            raise KDDataError(f"--kd-cache is damaged: {e}") from None
         item["sample_idx"] = torch.tensor(int(idx))
         item["teacher_ids"], item["teacher_logprobs"] = ids[0], logprobs[0]
         return item

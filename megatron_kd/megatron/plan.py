@@ -34,6 +34,12 @@ KD loss path, precision-aware and offloaded optimizer states, MoE dispatch, the 
 this project's local attention and experts). The estimate is checked against peaks measured on
 H200s (``benchmarks/memory_measurements.json``, ``tests/megatron/test_plan.py``).
 
+Before estimating, the run's layout is checked as Megatron checks it at start-up (one ``FlagError``
+line for the first rule it breaks; ``layout_error``): positive sizes; TP x PP x CP divides the GPUs;
+expert-TP x EP x PP divides them and EP the experts; heads and query groups divisible by TP; layers
+by PP; the global batch by micro-batch x DP; the sequence by 2 x CP (CP > 1) and by TP under
+sequence parallelism; MoE under TP > 1 needs sequence parallelism. Every term is >= 0 (asserted).
+
 ``--search`` tries the layouts (TP, EP, PP, CP, recompute, micro-batch) that divide the GPUs (and,
 with ``--transformer-impl local``, that megatron-core's local spec can run) and lists those that fit, fastest first by a simple cost model: compute per GPU, ×4/3 with full
 recompute, + 10% per doubling of TP (its all-reduces), + the pipeline bubble (PP−1)/micro-batches.
@@ -56,7 +62,7 @@ _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 def parse_size(text: str) -> float:
     """'141GB', '2TB', '80GiB' -> bytes (GB/TB decimal, GiB/TiB binary)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?B)?\s*", text, re.IGNORECASE)
     if not m:
         raise ValueError(f"not a size: {text!r} (e.g. 141GB, 2TB)")
     unit = (m.group(2) or "B").upper()
@@ -148,6 +154,86 @@ def micro_batches(args, layout: Layout, gpus: int) -> int:
     return max(1, args.global_batch_size // layout.micro_batch // data_parallel)
 
 
+def layout_error(args, layout: Layout, gpus: int, *, sequence_parallel: bool | None = None) -> str | None:
+    """The first of Megatron's layout rules that ``layout`` on ``gpus`` GPUs breaks, as one line
+    naming the flags, or None. ``sequence_parallel`` overrides ``--sequence-parallel`` (the search
+    assumes it wherever the spec has it)."""
+    sizes = {"--gpus": gpus, "--tensor-model-parallel-size": layout.tp, "--pipeline-model-parallel-size": layout.pp,
+             "--context-parallel-size": layout.cp, "--expert-model-parallel-size": layout.ep,
+             "--micro-batch-size": layout.micro_batch}
+    for flag, value in sizes.items():
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    model = layout.tp * layout.pp * layout.cp
+    if gpus % model:
+        return (f"--tensor-model-parallel-size {layout.tp} x --pipeline-model-parallel-size {layout.pp} x "
+                f"--context-parallel-size {layout.cp} = {model} does not divide --gpus {gpus}")
+    data_parallel = gpus // model
+    experts = args.num_experts
+    if layout.ep > 1 and not experts:
+        return f"--expert-model-parallel-size {layout.ep} needs --num-experts"
+    if experts and experts % layout.ep:
+        return f"--expert-model-parallel-size {layout.ep} does not divide --num-experts {experts}"
+    expert_tp = args.expert_tensor_parallel_size or layout.tp
+    if expert_tp < 1:
+        return f"--expert-tensor-parallel-size must be >= 1, got {expert_tp}"
+    expert_model = expert_tp * layout.ep * layout.pp
+    if gpus % expert_model:
+        return (f"--expert-tensor-parallel-size {expert_tp} x --expert-model-parallel-size {layout.ep} x "
+                f"--pipeline-model-parallel-size {layout.pp} = {expert_model} does not divide --gpus {gpus}")
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    if args.num_attention_heads % layout.tp:
+        return (f"--tensor-model-parallel-size {layout.tp} does not divide --num-attention-heads "
+                f"{args.num_attention_heads}")
+    if groups % layout.tp:
+        return f"--tensor-model-parallel-size {layout.tp} does not divide --num-query-groups {groups}"
+    uneven = (getattr(args, "decoder_first_pipeline_num_layers", None), getattr(args, "decoder_last_pipeline_num_layers", None),
+              getattr(args, "pipeline_model_parallel_layout", None))
+    if all(x is None for x in uneven) and args.num_layers % layout.pp:
+        return f"--pipeline-model-parallel-size {layout.pp} does not divide --num-layers {args.num_layers}"
+    if args.global_batch_size % (layout.micro_batch * data_parallel):
+        return (f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                f"{layout.micro_batch} x data-parallel size {data_parallel} (= --gpus {gpus} / {model})")
+    if layout.cp > 1 and args.seq_length % (2 * layout.cp):
+        return f"--seq-length {args.seq_length} is not a multiple of 2 x --context-parallel-size {layout.cp}"
+    sequence_parallel = args.sequence_parallel if sequence_parallel is None else sequence_parallel
+    if sequence_parallel and layout.tp > 1 and (args.seq_length // layout.cp) % layout.tp:
+        return (f"--seq-length {args.seq_length} (per context-parallel rank {args.seq_length // layout.cp}) is not a "
+                f"multiple of --tensor-model-parallel-size {layout.tp} under --sequence-parallel")
+    if experts and layout.tp > 1 and not sequence_parallel:
+        return (f"MoE under --tensor-model-parallel-size {layout.tp} needs --sequence-parallel (megatron-core refuses "
+                "to train it without)")
+    return None
+
+
+# the model's sizes: what each must be (the layout's are in layout_error)
+_MODEL_SIZES = (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
+                ("--num-attention-heads", "num_attention_heads"), ("--seq-length", "seq_length"),
+                ("--ffn-hidden-size", "ffn_hidden_size"), ("--kv-channels", "kv_channels"),
+                ("--num-query-groups", "num_query_groups"), ("--num-experts", "num_experts"),
+                ("--moe-ffn-hidden-size", "moe_ffn_hidden_size"), ("--moe-router-topk", "moe_router_topk"),
+                ("--global-batch-size", "global_batch_size"), ("--vocab-size", "vocab_size"),
+                ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by"))
+
+
+def check_model_sizes(args) -> None:
+    """Every size the estimate uses is >= 1 where given (one ``FlagError``)."""
+    from megatron_kd.errors import FlagError
+
+    for flag, dest in _MODEL_SIZES:
+        value = getattr(args, dest, None)
+        if value is not None and value < 1:
+            raise FlagError(f"{flag} must be >= 1, got {value}")
+    if args.num_experts and args.moe_router_topk > args.num_experts:
+        raise FlagError(f"--moe-router-topk {args.moe_router_topk} is more than --num-experts {args.num_experts}")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        raise FlagError(f"--num-attention-heads {args.num_attention_heads} does not divide --hidden-size "
+                        f"{args.hidden_size} (or give --kv-channels)")
+    offload = getattr(args, "optimizer_offload_fraction", 0.0)
+    if not 0 <= offload <= 1:
+        raise FlagError(f"--optimizer-offload-fraction must be in [0, 1], got {offload}")
+
+
 def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: int = 100) -> Plan:
     """Memory per GPU of the run ``args`` (Megatron-LM flags) under ``layout`` on ``gpus`` GPUs."""
     a = copy.copy(args)
@@ -194,6 +280,8 @@ def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: i
         plan.gpu_bytes["loss"] = tokens * vocab_local * (2 + 4 * 4)
     if loss != "ce":
         plan.gpu_bytes["kd batch"] = tokens * kd_topk * 8
+    # a negative term is a bug in a formula (or a layout layout_error should have refused)
+    assert all(v >= 0 for v in plan.gpu_bytes.values()) and plan.host_bytes >= 0, plan
     return plan
 
 
@@ -207,20 +295,17 @@ def step_cost(args, layout: Layout, gpus: int) -> float:
 
 
 def candidate_layouts(args, gpus: int, *, local_spec: bool):
-    experts = args.num_experts or 1
+    """The layouts --search tries: each one Megatron accepts (``layout_error``)."""
     for tp, pp, ep, cp, recompute, mbs in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8), (1, 2),
                                                           (False, True), (1, 2)):
-        if gpus % (tp * pp * cp) or gpus % (ep * pp) or experts % ep or args.num_layers % pp:
-            continue
-        if args.num_attention_heads % tp or (args.num_query_groups or args.num_attention_heads) % tp:
-            continue
-        if ep > 1 and not args.num_experts:
-            continue
+        layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp, recompute=recompute, micro_batch=mbs)
         # without TE: megatron-core refuses MoE training under TP without sequence parallelism, which its
-        # local spec lacks, and its local attention (ours included) has no context parallelism
-        if local_spec and ((tp > 1 and args.num_experts) or cp > 1):
+        # local spec lacks, and its local attention (ours included) has no context parallelism; with
+        # TE the layouts assume --sequence-parallel under TP
+        if local_spec and cp > 1:
             continue
-        yield Layout(tp=tp, pp=pp, ep=ep, cp=cp, recompute=recompute, micro_batch=mbs)
+        if layout_error(args, layout, gpus, sequence_parallel=not local_spec) is None:
+            yield layout
 
 
 def format_plan(plan: Plan, gpu_memory: float, host_memory: float | None, gpus: int) -> str:
@@ -244,24 +329,24 @@ def format_plan(plan: Plan, gpu_memory: float, host_memory: float | None, gpus: 
 
 def plan_args(flags: list[str], gpus: int) -> tuple[argparse.Namespace, Layout]:
     """A run's Megatron-LM (and --kd-*) flags -> (its arguments with the derived sizes the estimate
-    needs, its layout). Mistakes are one ``FlagError``."""
+    needs, its layout). Mistakes, and layouts Megatron would refuse, are one ``FlagError``."""
     from megatron_kd.errors import FlagError
-    from megatron_kd.megatron.train import megatron_parser
+    from megatron_kd.megatron.args import check_kd_flags
+    from megatron_kd.megatron.train import parse_flags
 
-    try:
-        args, unknown = megatron_parser().parse_known_args(flags)
-    except argparse.ArgumentError as e:
-        raise FlagError(str(e)) from None
-    if unknown:
-        raise FlagError(f"unrecognized arguments: {' '.join(unknown)}")
+    args = parse_flags(flags, prog="megatron-kd plan")
     for flag, value in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
                         ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length)):
         if value is None:
             raise FlagError(f"plan needs the run's {flag}")
+    check_kd_flags(args)
+    check_model_sizes(args)
     vocab = args.vocab_size
     if vocab is None and args.kd_student_hf:
+        from megatron_kd.megatron.hf_check import check_hf_dir
         from megatron_kd.models.hf import hf_vocab_rows
 
+        check_hf_dir(args.kd_student_hf, "--kd-student-hf", tokenizer=False)
         vocab = hf_vocab_rows(args.kd_student_hf)
     if vocab is None:
         raise FlagError("plan needs the vocabulary: --vocab-size N (or --kd-student-hf DIR)")
@@ -273,13 +358,17 @@ def plan_args(flags: list[str], gpus: int) -> tuple[argparse.Namespace, Layout]:
     layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                     ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
                     recompute=args.recompute_granularity == "full", micro_batch=args.micro_batch_size or 1)
+    problem = layout_error(args, layout, gpus)
+    if problem:
+        raise FlagError(f"Megatron cannot run this layout: {problem}")
     return args, layout
 
 
-def main(argv: list[str]) -> int:
-    from megatron_kd.errors import FlagError
+def _plan_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], float, float | None]:
+    """plan's own flags (one ``FlagError`` each) and the run's flags."""
+    from megatron_kd.errors import FlagError, FlagParser
 
-    ours = argparse.ArgumentParser(prog="megatron-kd plan", add_help=False)
+    ours = FlagParser(prog="megatron-kd plan", add_help=False)
     ours.add_argument("--gpus", type=int, default=8)
     ours.add_argument("--gpu-memory", default="141GB")
     ours.add_argument("--host-memory", default=None)
@@ -287,12 +376,26 @@ def main(argv: list[str]) -> int:
     ours.add_argument("--search", action="store_true")
     ours.add_argument("--top", type=int, default=8, help="layouts listed by --search")
     opts, rest = ours.parse_known_args(argv)
+    for flag, value in (("--gpus", opts.gpus), ("--top", opts.top)):
+        if value < 1:
+            raise FlagError(f"{flag} must be >= 1, got {value}")
     try:
         gpu_memory = parse_size(opts.gpu_memory)
         host_memory = parse_size(opts.host_memory) if opts.host_memory else None
     except ValueError as e:
-        raise FlagError(str(e)) from None
+        raise FlagError(f"--gpu-memory / --host-memory: {e}") from None
+    for flag, value in (("--gpu-memory", gpu_memory), ("--host-memory", host_memory)):
+        if value is not None and value <= 0:
+            raise FlagError(f"{flag} must be > 0, got {value:g} bytes")
+    return opts, rest, gpu_memory, host_memory
+
+
+def main(argv: list[str]) -> int:
+    from megatron_kd.console import code_path_line, say
+
+    opts, rest, gpu_memory, host_memory = _plan_options(argv)
     args, layout = plan_args(rest, opts.gpus)
+    say(code_path_line(args.transformer_impl, planned=True))
     kd_topk = args.kd_topk
     plans = {loss: estimate(args, layout, gpus=opts.gpus, loss=loss, kd_topk=kd_topk) for loss in ("fused", "ce", "dense")}
     print(format_plan(plans[opts.loss], gpu_memory, host_memory, opts.gpus))

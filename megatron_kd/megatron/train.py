@@ -20,8 +20,10 @@ import sys
 import traceback
 from functools import partial
 
-from megatron_kd.errors import FlagError
-from megatron_kd.megatron.args import KDConfig, add_kd_args
+from megatron_kd.errors import FlagError, FlagParser, UserError
+from megatron_kd.megatron.args import KDConfig, add_kd_args, check_kd_flags
+from megatron_kd.megatron.data import repair_index_cache
+from megatron_kd.megatron.hf_check import check_hf_dir
 from megatron_kd.megatron.kd_data import KDDataset
 from megatron_kd.megatron.loss import KDForwardStep
 from megatron_kd.models.gpt import gpt_model_from_args
@@ -69,15 +71,16 @@ def is_dataset_built_on_rank(vp_stage=None):
 
 def build_datasets(train_val_test_num_samples, is_built_on_rank=is_dataset_built_on_rank):
     """GPT dataset splits exactly as Megatron-LM's pretrain_gpt builds them (the teacher pass uses
-    this too, so sample indices agree)."""
+    this too, so sample indices agree), after removing torn cached index files."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
     from megatron.training import get_args, get_tokenizer
 
     args = get_args()
     tokenizer = get_tokenizer()
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, is_built_on_rank,
-                                            gpt_dataset_config(args, tokenizer))
+    config = gpt_dataset_config(args, tokenizer)
+    repair_index_cache(config)
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, is_built_on_rank, config)
     return builder.build(), tokenizer
 
 
@@ -155,34 +158,116 @@ REQUIRED_FLAGS = {
 
 
 def megatron_parser(prog: str = "megatron-kd") -> argparse.ArgumentParser:
-    """Megatron-LM's own argument parser with the --kd-* group, raising instead of exiting."""
+    """Megatron-LM's own argument parser with the --kd-* group, raising FlagError instead of exiting."""
     from megatron.training.arguments import add_megatron_arguments
 
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, exit_on_error=False)
+    parser = FlagParser(prog=prog, allow_abbrev=False, exit_on_error=False)
     return add_kd_args(add_megatron_arguments(parser))
 
 
-def check_megatron_flags(argv: list[str]) -> argparse.Namespace:
-    """Unknown flags, bad values and missing required flags as one ``FlagError`` line, before
-    Megatron-LM's parser prints its usage (hundreds of lines) or asserts without a message.
-    Returns the parsed (not yet validated) flags."""
+def parse_flags(argv: list[str], prog: str = "megatron-kd") -> argparse.Namespace:
+    """Megatron-LM's and our flags parsed (not validated); an unknown flag or a bad value is one
+    ``FlagError``."""
     try:
-        known, unknown = megatron_parser().parse_known_args(argv)
+        known, unknown = megatron_parser(prog).parse_known_args(argv)
     except argparse.ArgumentError as e:
         raise FlagError(str(e)) from None
     if unknown:
         raise FlagError(f"unrecognized arguments: {' '.join(unknown)} (--help lists the --kd-* flags, "
                         f"--help-megatron all of Megatron-LM's)")
+    return known
+
+
+def hf_tokenizer_dir(flags: argparse.Namespace) -> str | None:
+    """The Hugging Face directory the run takes its tokenizer from (``--tokenizer-model``'s default)."""
+    return flags.kd_student_hf or flags.kd_teacher_hf
+
+
+def _reads_tokenizer_model(tokenizer_type: str | None) -> bool:
+    from megatron.core.tokenizers.utils.build_tokenizer import SP_TOKENIZERS
+
+    return tokenizer_type in {*SP_TOKENIZERS, "TikTokenizer", "HuggingFaceTokenizer", "SFTTokenizer"}
+
+
+def check_megatron_flags(argv: list[str]) -> argparse.Namespace:
+    """Unknown flags, bad values, missing required flags, every --kd-* flag's range and the Hugging
+    Face directories, as one ``FlagError`` (``HFDirError``) line, before Megatron-LM's parser prints
+    its usage (hundreds of lines) or asserts without a message. Returns the parsed (not yet
+    validated) flags."""
+    known = parse_flags(argv)
     missing = [flag for dest, flag in REQUIRED_FLAGS.items() if getattr(known, dest, None) is None]
     if known.train_iters is None and known.train_samples is None:
         missing.append("--train-iters (or --train-samples)")
     if missing:
         raise FlagError(f"missing required flags: {', '.join(missing)}")
-    try:
-        KDConfig.from_args(known)
-    except ValueError as e:
-        raise FlagError(str(e)) from None
+    check_kd_flags(known)
+    tokenizer_dir = hf_tokenizer_dir(known) if known.tokenizer_model is None else None
+    for flag, path in (("--kd-student-hf", known.kd_student_hf), ("--kd-teacher-hf", known.kd_teacher_hf)):
+        if path:
+            check_hf_dir(path, flag, tokenizer=path == tokenizer_dir and _reads_tokenizer_model(known.tokenizer_type))
     return known
+
+
+def megatron_defaults(flags: argparse.Namespace, args_defaults: dict | None = None) -> dict:
+    defaults = dict(args_defaults or {})
+    if hf_tokenizer_dir(flags):  # a Hugging Face model brings its own tokenizer
+        defaults.setdefault("tokenizer_model", hf_tokenizer_dir(flags))
+    return defaults
+
+
+class NoCudaError(UserError):
+    """The command needs CUDA GPUs and this machine has none."""
+
+
+def require_cuda(command: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoCudaError(f"megatron-kd {command} needs CUDA GPUs and this machine has none "
+                          f"(torch.cuda.is_available() is False): launch it on a GPU node with torchrun "
+                          f"(launch/torchrun.sh); megatron-kd plan sizes a run on CPU")
+
+
+def _raised_by_cuda(e: BaseException) -> bool:
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and f"torch{os.sep}cuda{os.sep}" in frames[-1].filename
+
+
+def check_megatron_run(argv: list[str], command: str, args_defaults: dict | None = None) -> argparse.Namespace:
+    """Everything ``megatron-kd train`` / ``cache build`` can check before distributed start-up,
+    in order, each mistake one line: our flag check, Megatron-LM's own validation (on a private
+    copy, quietly: the run validates again and prints it), then that this machine has CUDA.
+    Megatron-LM's validation asks the GPU for its architecture under tensor or context
+    parallelism; without CUDA that query is where the no-CUDA line comes from."""
+    import contextlib
+    import io
+    import warnings
+
+    import torch
+    from megatron.training.arguments import parse_args, validate_args
+
+    flags = check_megatron_flags(argv)
+    saved_argv = sys.argv
+    sys.argv = [sys.argv[0], *argv]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            validate_args(parse_args(extra_args_provider=add_kd_args), megatron_defaults(flags, args_defaults))
+    except AssertionError as e:
+        raise FlagError(f"Megatron-LM rejected the arguments: {_assertion_text(e)}") from None
+    except RuntimeError as e:
+        if torch.cuda.is_available() or not _raised_by_cuda(e):
+            raise
+        require_cuda(command)
+    finally:
+        sys.argv = saved_argv
+    require_cuda(command)
+    return flags
+
+
+def _assertion_text(e: AssertionError) -> str:
+    """Megatron-LM's validation: the message, else the failing check itself."""
+    return " ".join(str(e).split()) or traceback.extract_tb(e.__traceback__)[-1].line
 
 
 def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = None):
@@ -196,15 +281,11 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
         sys.argv = [sys.argv[0], *argv]
     flags = check_megatron_flags(sys.argv[1:])
     use_prebuilt_dataset_helpers()
-    defaults = dict(args_defaults or {})
-    hf_dir = flags.kd_student_hf or flags.kd_teacher_hf
-    if hf_dir:  # a Hugging Face model brings its own tokenizer
-        defaults.setdefault("tokenizer_model", hf_dir)
+    hf_dir = hf_tokenizer_dir(flags)
     try:
-        args = parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults=defaults)
-    except AssertionError as e:  # Megatron-LM's validation: the message, else the failing check itself
-        check = str(e) or traceback.extract_tb(e.__traceback__)[-1].line
-        raise FlagError(f"Megatron-LM rejected the arguments: {check}") from None
+        args = parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults=megatron_defaults(flags, args_defaults))
+    except AssertionError as e:
+        raise FlagError(f"Megatron-LM rejected the arguments: {_assertion_text(e)}") from None
     hf_rows = hf_vocab_rows(hf_dir) if hf_dir else 0
     if args.padded_vocab_size < hf_rows:
         # the checkpoint's embedding has more rows than the tokenizer has tokens (GPT-OSS: 201,088 rows):
@@ -220,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
     args = parse_megatron_args(argv)
+    require_cuda("train")  # before Megatron's initialization asserts it
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider=partial(model_provider))
 
