@@ -35,7 +35,8 @@ def kd_output_processor(hidden_states, output_layer, output_weight, labels, loss
     weight = output_layer.weight if output_weight is None else output_weight
     kwargs = dict(
         loss_mask=loss_mask.t(), labels=labels.t(), kd_weight=cfg.weight, ce_weight=cfg.ce_weight,
-        temperature=cfg.temperature, tail=cfg.tail, tp_group=output_layer.tp_group,
+        temperature=cfg.temperature, tail=cfg.tail, divergence=cfg.divergence, jsd_beta=cfg.jsd_beta,
+        tp_group=output_layer.tp_group,
         sequence_parallel=output_layer.sequence_parallel, chunk_size=cfg.chunk_size, reduction="sum",
     )
     if cfg.impl == "fused":
@@ -93,8 +94,8 @@ class KDForwardStep:
                  is_first_stage=lambda: True, is_last_stage=lambda: True):
         self.config = config
         # cross-entropy alone through the same fused op (batches without a teacher)
-        self._ce_config = dataclasses.replace(config, weight=0.0, ce_weight=1.0, tail="none", temperature=1.0,
-                                              impl="fused")
+        self._ce_config = dataclasses.replace(config, weight=0.0, ce_weight=1.0, tail="none", divergence="forward",
+                                              temperature=1.0, impl="fused")
         self.tp_group, self.cp_group, self.device = tp_group, cp_group, device
         self.is_first_stage, self.is_last_stage = is_first_stage, is_last_stage
         self.tokens_seen, self._t0 = 0, time.perf_counter()

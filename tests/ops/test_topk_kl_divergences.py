@@ -216,3 +216,24 @@ def test_bad_divergence_arguments_raise(seed, fn):
     ]:
         with pytest.raises(ValueError, match=match):
             fn(*args, **kw)
+
+
+@pytest.mark.parametrize("impl", ["fused", "dense"])
+def test_megatron_output_processor_passes_the_divergence(seed, impl):
+    """``--kd-divergence`` / ``--kd-jsd-beta`` reach the op: megatron/loss.py's output processor gives
+    the reference's jsd loss (the output layer here is the processor's own interface: weight, TP group
+    and sequence parallelism)."""
+    from types import SimpleNamespace
+
+    from megatron_kd.megatron.args import KDConfig
+    from megatron_kd.megatron.loss import KDContext, kd_output_processor
+
+    x = make_inputs(s=5, b=2, h=16, vocab=61, k=7)
+    cfg = KDConfig(tail="ghost", divergence="jsd", jsd_beta=0.2, ce_weight=0.3, impl=impl, op_impl="torch")
+    layer = SimpleNamespace(weight=x.weight, tp_group=None, sequence_parallel=False, config=SimpleNamespace())
+    context = KDContext(cfg, x.topk_ids.transpose(0, 1), x.topk_logprobs.transpose(0, 1))
+    loss, stats = kd_output_processor(x.hidden, layer, None, x.labels.t(), x.loss_mask.t(), context)
+    want, want_stats = topk_kl_reference(x.hidden, x.weight, x.topk_ids, x.topk_logprobs, loss_mask=x.loss_mask,
+                                         labels=x.labels, ce_weight=0.3, tail="ghost", divergence="jsd", jsd_beta=0.2)
+    assert rel_err(loss, want) <= 1e-9
+    assert rel_err(stats[0], want_stats["kd"]) <= 1e-6
