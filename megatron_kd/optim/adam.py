@@ -1,0 +1,343 @@
+"""``Bf16Adam``: Adam(W) that updates bf16 parameters in place, with no fp32 master copy, and keeps
+its moments in 8 bits.
+
+Per parameter, what the optimizer holds (Megatron's default in brackets):
+  weights    the bf16 parameter itself, updated by stochastic rounding (``rounding.py``)
+             [bf16 weights + an fp32 master copy: 4 bytes]
+  moments    exp_avg and exp_avg_sq in the 8-bit blockwise format of ``quantize.py``, 1 + 1/64
+             bytes each; fp32 for tensors under 4,096 elements           [fp32: 4 + 4 bytes]
+  => 2.03 bytes per parameter instead of 12.
+
+One update, per chunk of ``CHUNK`` elements (temporaries stay bounded whatever the tensor): the
+moments are dequantized to fp32, the gradient (any float dtype; Megatron's bf16 ``decoupled_grad``)
+is read in fp32, and torch's AdamW formula runs in fp32 on an fp32 copy of the parameter::
+
+    p ← p·(1 − lr·wd);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²
+    p ← p − lr/(1−β1^t) · m / (sqrt(v)/sqrt(1−β2^t) + eps)
+
+then m and v are quantized again (the update used their fp32 values) and p is rounded to bf16:
+stochastically (unbiased; the default) or to nearest (``rounding="nearest"``, for comparisons: it
+drops updates below half a bf16 step). fp32 parameters are written in fp32.
+
+The random bits of stochastic rounding are a hash of (``seed``, the parameter tensor, the element's
+index in it, the step): nothing to checkpoint, identical after a resume, and identical whether the
+tensor is one shard or split across data-parallel ranks (Megatron's distributed optimizer hands
+the optimizer 1-D views of its shard of each parameter: ``_TensorOrigins`` maps each back to the
+parameter it was built with and the offset in it). ``group_stream(param_group)`` adds what tells
+apart tensors that hold different weights at the same index on other model-parallel ranks (the
+Megatron wiring passes the rank in the model-parallel group).
+
+The interface is Transformer Engine's ``FusedAdam`` as megatron-core's precision-aware path uses it
+(``master_weights``, ``master_weight_dtype``, ``exp_avg_dtype``, ``exp_avg_sq_dtype``,
+``use_decoupled_grad``, ``store_param_remainders`` keywords; the step in ``param_groups[i]["step"]``;
+``initialize_state``, ``get_unscaled_state`` and ``set_scaled_state``), so megatron-core's
+distributed optimizer shards it and its checkpoint code saves and loads it: state is exported as fp32
+values (``"master_param"`` = the bf16 parameter, the moments dequantized) and quantizing them again
+gives back the same codes and scales bit for bit (``quantize.py``). ``state_dict`` /
+``load_state_dict`` keep the packed tensors as they are.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+import math
+from typing import Callable
+
+import torch
+
+from megatron_kd.errors import UserError
+from megatron_kd.optim import quantize
+from megatron_kd.optim.rounding import random_bits16, stochastic_round_bf16, stream_key
+
+ROUNDINGS = ("stochastic", "nearest")
+MOMENTS = ("8bit", "fp32")
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+# elements per update call; a multiple of the quantization block. ~40 bytes of fp32/int64
+# temporaries per element: ~0.7 GB at most, whatever the tensor
+CHUNK = 1 << 24
+_STORED_DTYPE = {"8bit": torch.uint8, "fp32": torch.float32}  # what megatron-core's flags must say
+
+
+def state_bytes_per_element(moments: str) -> float:
+    """Optimizer-state bytes per parameter element of a large tensor (no master copy)."""
+    return 2 * (1 + 4 / quantize.BLOCK) if moments == "8bit" else 8.0
+
+
+class _TensorOrigins:
+    """For each tensor the optimizer updates: which of the tensors it was built with (an index, in
+    construction order) holds it and at which element it starts there. Megatron's distributed
+    optimizer replaces the parameters of the groups by 1-D views of this rank's shard of each; a
+    view is found in the storage range of the parameter it was cut from."""
+
+    def __init__(self, param_groups: list[dict], group_stream: Callable[[dict], int]):
+        self._by_storage: dict[int, list[tuple[int, int, int, int]]] = {}  # ptr -> (start, end, index, stream)
+        self._count = 0
+        for group in param_groups:
+            for p in group["params"]:
+                self._add(p, group_stream(group))
+        self._group_stream = group_stream
+        self._found: dict[torch.Tensor, tuple[int, int, int]] = {}
+
+    def _add(self, p: torch.Tensor, stream: int) -> None:
+        start = p.storage_offset()
+        spans = self._by_storage.setdefault(p.untyped_storage().data_ptr(), [])
+        bisect.insort(spans, (start, start + p.numel(), self._count, stream))
+        self._count += 1
+
+    def origin(self, p: torch.Tensor, group: dict) -> tuple[int, int, int]:
+        """(tensor index, stream, offset of p's first element in that tensor)."""
+        found = self._found.get(p)
+        if found is None:
+            spans = self._by_storage.get(p.untyped_storage().data_ptr(), [])
+            i = bisect.bisect_right(spans, (p.storage_offset(), math.inf)) - 1
+            if i >= 0 and spans[i][0] <= p.storage_offset() < spans[i][1]:
+                start, _, index, stream = spans[i]
+                found = (index, stream, p.storage_offset() - start)
+            else:  # a tensor the optimizer was not built with: a stream of its own
+                self._add(p, self._group_stream(group))
+                found = (self._count - 1, self._group_stream(group), 0)
+            self._found[p] = found
+        return found
+
+
+def _zero_moment(numel: int, signed: bool, device) -> torch.Tensor:
+    if quantize.is_quantized(numel):
+        return quantize.packed_zeros(numel, signed, device)
+    return torch.zeros(numel, dtype=torch.float32, device=device)
+
+
+_QMAPS: dict[tuple[bool, str], torch.Tensor] = {}
+
+
+def _qmap(signed: bool, device) -> torch.Tensor:
+    key = (signed, str(torch.device(device)))
+    if key not in _QMAPS:
+        _QMAPS[key] = quantize.dynamic_map(signed, device)
+    return _QMAPS[key]
+
+
+def _read_moment(stored: torch.Tensor, signed: bool, start: int, end: int) -> torch.Tensor:
+    """fp32 values of elements [start, end) of a moment (start: a multiple of the block)."""
+    if stored.dtype == torch.float32:
+        return stored[start:end].clone()
+    codes, scales = quantize.packed_views(stored)
+    first, last = start // quantize.BLOCK, -(-end // quantize.BLOCK)
+    values = quantize.dequantize(codes[first * quantize.BLOCK:last * quantize.BLOCK], scales[first:last],
+                                 _qmap(signed, stored.device), end - start)
+    return values
+
+
+def _write_moment(stored: torch.Tensor, signed: bool, start: int, values: torch.Tensor) -> None:
+    if stored.dtype == torch.float32:
+        stored[start:start + values.numel()].copy_(values)
+        return
+    codes, scales = quantize.packed_views(stored)
+    new_codes, new_scales = quantize.quantize(values, _qmap(signed, stored.device))
+    codes[start:start + new_codes.numel()].copy_(new_codes)
+    first = start // quantize.BLOCK
+    scales[first:first + new_scales.numel()].copy_(new_scales)
+
+
+def _adam_chunk(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, step_size: float, bias_correction2_sqrt: float, adam_w_mode: bool):
+    """One Adam(W) update of a chunk in fp32: returns (parameter fp32, exp_avg, exp_avg_sq), the
+    moments updated in place. torch.optim.AdamW's formula and order of operations."""
+    p32 = param.float()
+    g32 = grad.float()
+    if weight_decay:
+        if adam_w_mode:
+            p32.mul_(1 - lr * weight_decay)
+        else:
+            g32 = g32.add(p32, alpha=weight_decay)
+    exp_avg.lerp_(g32, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    p32.addcdiv_(exp_avg, denom, value=-step_size)
+    return p32, exp_avg, exp_avg_sq
+
+
+class Bf16Adam(torch.optim.Optimizer):
+    """See the module docstring. ``rounding``: "stochastic" | "nearest"; ``moments``: "8bit" |
+    "fp32"; ``seed``: of the stochastic-rounding streams; ``compile``: run the per-chunk update
+    through torch.compile ("auto": on CUDA). The keywords after ``compile`` are those megatron-core
+    passes to Transformer Engine's FusedAdam; each is checked against what this optimizer does."""
+
+    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, adam_w_mode: bool = True,
+                 rounding: str = "stochastic", moments: str = "8bit", seed: int = 0, compile: str | bool = "auto",
+                 group_stream: Callable[[dict], int] = lambda group: 0,
+                 master_weights: bool = True, master_weight_dtype: torch.dtype | None = None,
+                 exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
+                 use_decoupled_grad: bool = False, store_param_remainders: bool = False, capturable: bool = False):
+        if rounding not in ROUNDINGS:
+            raise UserError(f"Bf16Adam rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        if moments not in MOMENTS:
+            raise UserError(f"Bf16Adam moments must be one of {MOMENTS}, got {moments!r}")
+        if amsgrad:
+            raise UserError("Bf16Adam has no AMSGrad variant: amsgrad must be False")
+        if capturable:
+            raise UserError("Bf16Adam cannot run inside a CUDA graph: drop --optimizer-cuda-graph")
+        if not master_weights:
+            # megatron-core asks the optimizer to own the weights of record on this path; here they
+            # are the bf16 parameters themselves (stochastic rounding makes them the master copy)
+            raise UserError("Bf16Adam owns the weights of record (the bf16 parameters): master_weights must be True")
+        if master_weight_dtype not in (None, torch.float32):
+            raise UserError(f"Bf16Adam keeps no separate master copy: --main-params-dtype must be fp32 (the default), "
+                            f"got {master_weight_dtype}")
+        # store_param_remainders (the low 16 bits of an fp32 master, in TE) has nothing to store here
+        for flag, dtype in (("--exp-avg-dtype", exp_avg_dtype), ("--exp-avg-sq-dtype", exp_avg_sq_dtype)):
+            if dtype is not None and dtype != _STORED_DTYPE[moments]:
+                expected = "fp8 (one byte)" if moments == "8bit" else "fp32"
+                raise UserError(f"Bf16Adam keeps {moments} moments: {flag} must be {expected}, got {dtype}")
+        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype not in (torch.bfloat16, torch.float32):
+                    raise UserError(f"Bf16Adam updates bf16 or fp32 parameters, got {p.dtype}: train with --bf16")
+                if not p.is_contiguous():
+                    raise UserError("Bf16Adam updates contiguous parameters only")
+        self.adam_w_mode, self.rounding, self.moments, self.seed = adam_w_mode, rounding, moments, seed
+        self.use_decoupled_grad = use_decoupled_grad
+        self._origins = _TensorOrigins(self.param_groups, group_stream)
+        self._compile = compile
+        self._compiled = None
+
+    # -- the update ---------------------------------------------------------------------------------
+
+    def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
+        return getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
+
+    def _chunk_fn(self, device: torch.device):
+        use = self._compile if self._compile != "auto" else device.type == "cuda"
+        if not use:
+            return _adam_chunk
+        if self._compiled is None:
+            self._compiled = torch.compile(_adam_chunk, dynamic=True)
+        return self._compiled
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if not group["params"]:
+                continue
+            # one step count per group, as TE's FusedAdam keeps it (megatron-core saves it from here)
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                grad = self._grad(p)
+                if grad is not None and p.numel():
+                    self._update(p, grad, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            self.initialize_state(p)
+        t, (beta1, beta2) = group["step"], group["betas"]
+        correct = group["bias_correction"]
+        hyper = dict(lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                     step_size=group["lr"] / (1 - beta1 ** t if correct else 1.0),
+                     bias_correction2_sqrt=math.sqrt(1 - beta2 ** t) if correct else 1.0, adam_w_mode=self.adam_w_mode)
+        stochastic = self.rounding == "stochastic" and p.dtype == torch.bfloat16
+        if stochastic:
+            index, stream, offset = self._origins.origin(p, group)
+            key = stream_key(self.seed, stream, index, t)
+        flat_p, flat_g = p.view(-1), grad.reshape(-1)
+        chunk_fn = self._chunk_fn(p.device)
+        for start in range(0, p.numel(), CHUNK):
+            end = min(p.numel(), start + CHUNK)
+            m = _read_moment(state["exp_avg"], True, start, end)
+            v = _read_moment(state["exp_avg_sq"], False, start, end)
+            p32, m, v = chunk_fn(flat_p[start:end], flat_g[start:end], m, v, **hyper)
+            _write_moment(state["exp_avg"], True, start, m)
+            _write_moment(state["exp_avg_sq"], False, start, v)
+            if stochastic:
+                p32 = stochastic_round_bf16(p32, random_bits16(key, offset + start, end - start, p.device))
+            flat_p[start:end].copy_(p32)
+
+    # -- Transformer Engine FusedAdam's state interface (megatron-core's precision-aware path) ------
+
+    def initialize_state(self, param: torch.Tensor, store_param_remainders: bool | None = None) -> None:
+        """Zero moments; ``"master_param"`` is the parameter itself (megatron-core exports it as the
+        weights of record)."""
+        n, device = param.numel(), param.device
+        if self.moments == "8bit":
+            moments = {"exp_avg": _zero_moment(n, True, device), "exp_avg_sq": _zero_moment(n, False, device)}
+        else:
+            moments = {key: torch.zeros(n, dtype=torch.float32, device=device) for key in MOMENT_KEYS}
+        self.state[param].update(moments, master_param=param)
+
+    def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
+        """An fp32 copy of ``state_name`` ("master_param", "exp_avg", "exp_avg_sq"), param's shape."""
+        state = self.state[param]
+        if not state:
+            self.initialize_state(param)
+        if state_name == "master_param":
+            return param.detach().float()
+        if state_name not in MOMENT_KEYS:
+            raise KeyError(f"Bf16Adam has no state {state_name!r} (master_param, exp_avg, exp_avg_sq)")
+        return _read_moment(state[state_name], state_name == "exp_avg", 0, param.numel()).view(param.shape)
+
+    def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled_state: torch.Tensor) -> None:
+        """Store fp32 values into ``state_name``: a moment is quantized (the codes and scales it was
+        exported from, bit for bit); ``"master_param"`` is copied into the parameter."""
+        state = self.state[param]
+        if not state:
+            self.initialize_state(param)
+        values = unscaled_state.detach().reshape(-1).to(device=param.device, dtype=torch.float32)
+        if values.numel() != param.numel():
+            raise ValueError(f"set_scaled_state({state_name!r}): {values.numel()} values for {param.numel()} elements")
+        if state_name == "master_param":
+            param.view(-1).copy_(values)
+        elif state_name in MOMENT_KEYS:
+            _write_moment(state[state_name], state_name == "exp_avg", 0, values)
+        else:
+            raise KeyError(f"Bf16Adam has no state {state_name!r} (master_param, exp_avg, exp_avg_sq)")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Param-group settings (lr, step, ...) and the state of every parameter of the groups.
+
+        Unlike torch's (which casts every floating tensor to its parameter's dtype) it keeps this
+        optimizer's dtypes: a moment in this optimizer's own layout is taken as it is (no copy); a
+        tensor of the parameter's size is taken as fp32 values and quantized (what megatron-core's
+        placeholders are before it sets a checkpoint's values); ``"master_param"`` stays the
+        parameter itself (it is loaded with the model). A parameter without saved state gets zero
+        moments: megatron-core's distributed optimizer calls this right after it hands over its
+        shards, so the state is allocated once, up front, and a checkpoint load later finds it
+        allocated instead of making placeholders of every element (fp32 for the master weights:
+        6 bytes per parameter, which would not fit beside a 120B rank's model)."""
+        groups, saved = state_dict["param_groups"], state_dict["state"]
+        if len(groups) != len(self.param_groups) or any(
+                len(g["params"]) != len(mine["params"]) for g, mine in zip(groups, self.param_groups)):
+            raise ValueError("Bf16Adam.load_state_dict: the saved parameter groups do not match this optimizer's")
+        for mine, g in zip(self.param_groups, groups):
+            mine.update({k: v for k, v in g.items() if k != "params"})
+        previous, self.state = self.state, defaultdict(dict)
+        for mine, g in zip(self.param_groups, groups):
+            for p, saved_id in zip(mine["params"], g["params"]):
+                self._load_param_state(p, saved.get(saved_id, {}))
+        del previous
+
+    def _load_param_state(self, p: torch.Tensor, saved: dict) -> None:
+        self.initialize_state(p)
+        state = self.state[p]
+        for key in MOMENT_KEYS:
+            value = saved.get(key)
+            if value is None:
+                continue
+            if value.dtype == state[key].dtype and value.shape == state[key].shape:  # this optimizer's layout
+                state[key] = value.to(p.device)
+            elif value.numel() == p.numel():
+                self.set_scaled_state(p, key, value.float())
+            else:
+                raise ValueError(f"Bf16Adam.load_state_dict: {key} of a {p.numel()}-element parameter has "
+                                 f"{value.numel()} elements of {value.dtype}")
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held (moments; the parameters are the model's)."""
+        return sum(s[key].numel() * s[key].element_size() for s in self.state.values() for key in MOMENT_KEYS if key in s)
