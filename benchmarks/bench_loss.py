@@ -6,13 +6,17 @@ kind, so compare a method with the floor measured in the same call: --rounds N r
 (shape, method) N times, interleaved, and prints each row's ratio to that round's floor.
 Every method except floor and liger-flce computes the same loss: top-K KL, tail="none", τ = 1,
 sum over tokens, K = 100, from bf16 hidden [T, h] and weight [V, h], teacher ids [T, K] int64 and
-logprobs [T, K] fp32.
+logprobs [T, K] fp32. --divergence times the ours-* methods (and dense) for other divergences too:
+each (divergence, tail) is a row of its own, in the same round as the floor.
 
     python benchmarks/bench_loss.py --check                          # correctness of the KL methods (CPU ok)
     python benchmarks/bench_loss.py                                  # all methods x shapes, one GPU
     python benchmarks/bench_loss.py --methods floor,ours-triton --shapes gptoss-32k --out results.csv
     python benchmarks/bench_loss.py --methods floor,ours-triton-main-grad --shapes gptoss-32k --rounds 3
     python benchmarks/bench_loss.py --methods ours-triton --shapes gptoss-32k --chunk-size 512
+    python benchmarks/bench_loss.py --methods floor,ours-triton-main-grad --shapes gptoss-32k \
+        --divergence all --rounds 3                                 # forward, reverse, jsd vs the floor
+    python benchmarks/bench_loss.py --check --divergence all       # the divergences' correctness too
     python benchmarks/bench_loss.py --tp 2 --shapes gptoss-32k,h4096-v64k-32k
     python benchmarks/bench_loss.py --methods ours-torch,ours-triton,ours-triton-main-grad \\
         --shapes gptoss-32k-half,h4096-v32k-32k                     # the same per-rank V at --tp 1
@@ -48,9 +52,16 @@ Flags:
     --tp N           ours-* methods only: N processes (NCCL, one GPU each) on the same tokens, each
                      with its own V/N rows of the weight, tp_group = the world group; the row reports
                      the max over ranks of each rank's median ms and of its peak memory
+    --divergence D   comma-separated divergences of ours-* and dense: forward, reverse, jsd, or
+                     all (default forward); the other methods compute forward KL only
+    --tail T         comma-separated tails (default: none for forward, renorm and ghost for reverse
+                     and jsd, which need one of those two); each (divergence, tail) is one row
+    --ce-weight W    adds the hard-label cross-entropy on random labels (default 0) to ours-* and
+                     dense: with renorm it is what gives reverse / jsd a dense gradient
     --check          runs every KL method on a tiny float32 problem on this machine's device and
                      checks loss and both gradients against topk_kl_reference in float64 (1e-4
-                     relative norm error); ours-triton* only on CUDA (or with TRITON_INTERPRET=1)
+                     relative norm error), for each (divergence, tail) the flags name; ours-triton*
+                     only on CUDA (or with TRITON_INTERPRET=1)
     --reps N, --out FILE.csv
 
 Reported: median ms of forward+backward, TFLOP/s per GPU counted as 6·T·h·V_local, peak memory,
@@ -68,6 +79,7 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
@@ -92,6 +104,39 @@ METHODS = ("floor", *KL_METHODS[:3], "liger-flce", *KL_METHODS[3:], *CE_METHODS)
 TP_METHODS = tuple(m for m in METHODS if m.startswith(("ours-", "megatron-")))
 TOPK = 100
 GiB = 2**30
+DIVERGENCES = ("forward", "reverse", "jsd")
+DEFAULT_TAILS = {"forward": ("none",), "reverse": ("renorm", "ghost"), "jsd": ("renorm", "ghost")}
+# methods that take any (divergence, tail); the others compute forward KL with tail none only
+LOSS_METHODS = ("dense", "ours-torch", "ours-torch-main-grad", "ours-triton", "ours-triton-main-grad")
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The KD loss a row times: divergence, tail and the CE weight (random labels when > 0)."""
+
+    divergence: str = "forward"
+    tail: str = "none"
+    ce_weight: float = 0.0
+
+    def kwargs(self, labels) -> dict:
+        out = dict(divergence=self.divergence, tail=self.tail)
+        if self.ce_weight:
+            out.update(labels=labels, ce_weight=self.ce_weight)
+        return out
+
+
+def loss_variants(divergences: str, tails: str | None, ce_weight: float) -> list[Loss]:
+    """Every (divergence, tail) the flags name; reverse / jsd skip tail none (they need renorm or ghost)."""
+    names = DIVERGENCES if divergences == "all" else tuple(divergences.split(","))
+    bad = [d for d in names if d not in DIVERGENCES]
+    if bad:
+        raise SystemExit(f"--divergence: {bad[0]!r} is not one of {', '.join(DIVERGENCES)} or all")
+    out = []
+    for d in names:
+        for tail in (tails.split(",") if tails else DEFAULT_TAILS[d]):
+            if d == "forward" or tail != "none":
+                out.append(Loss(d, tail, ce_weight))
+    return out
 
 
 class Unavailable(Exception):
@@ -126,21 +171,23 @@ def _leaves(h, w, method):
     return hp, wp
 
 
-def _kl_fn(method, chunk_size, tp_group):
+def _kl_fn(method, chunk_size, tp_group, loss: Loss, labels):
     """(hidden, weight, ids, logprobs) -> loss, for the KL methods."""
     import loss_baselines
 
     from megatron_kd.ops import fused_topk_kl, topk_kl_reference
 
+    if method not in LOSS_METHODS and loss != Loss():
+        raise Unavailable(f"{method} computes forward KL with tail none only")
     if method == "dense":
-        return lambda *args: topk_kl_reference(*args)[0]
+        return lambda *args: topk_kl_reference(*args, **loss.kwargs(labels))[0]
     if method == "forward-chunked":
         return partial(loss_baselines.forward_chunked_kl, chunk_size=chunk_size)
     if method == "recompute-fused":
         return partial(loss_baselines.recompute_fused_kl, chunk_size=chunk_size)
     if method.startswith("ours-"):
         kwargs = dict(impl=method.split("-")[1], chunk_size=chunk_size, tp_group=tp_group,
-                      gradient_accumulation_fusion=method.endswith("-main-grad"))
+                      gradient_accumulation_fusion=method.endswith("-main-grad"), **loss.kwargs(labels))
         return lambda *args: fused_topk_kl(*args, **kwargs)[0]
     raise ValueError(method)
 
@@ -183,7 +230,16 @@ def _single_rank_group():
     return dist.group.WORLD
 
 
-def _step_fn(method, hp, wp, ids, lps, chunk_size=None, tp_group=None):
+def _labels(hp, wp, tp_group):
+    """Random hard labels over the global vocabulary, the same on every rank."""
+    import torch
+
+    g = torch.Generator(device=hp.device).manual_seed(2)
+    vocab = wp.shape[0] * (1 if tp_group is None else torch.distributed.get_world_size(tp_group))
+    return torch.randint(0, vocab, (hp.shape[0],), device=hp.device, generator=g)
+
+
+def _step_fn(method, hp, wp, ids, lps, chunk_size=None, tp_group=None, loss=Loss()):
     """One forward+backward of ``method``, and the bytes of the gradients it leaves."""
     import torch
 
@@ -198,10 +254,7 @@ def _step_fn(method, hp, wp, ids, lps, chunk_size=None, tp_group=None):
         return step, grad_bytes
 
     if method in CE_METHODS:
-        g = torch.Generator(device=hp.device).manual_seed(2)
-        vocab = wp.shape[0] * (1 if tp_group is None else torch.distributed.get_world_size(tp_group))
-        labels = torch.randint(0, vocab, (hp.shape[0],), device=hp.device, generator=g)
-        loss_fn = _ce_fn(method, labels, tp_group)
+        loss_fn = _ce_fn(method, _labels(hp, wp, tp_group), tp_group)
     elif method == "liger-flce":
         try:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -213,7 +266,7 @@ def _step_fn(method, hp, wp, ids, lps, chunk_size=None, tp_group=None):
         def loss_fn(h, w, _ids, _lps):
             return liger_fused_linear_cross_entropy(h, w, labels, reduction="sum", accum_dtype=torch.float32)
     else:
-        loss_fn = _kl_fn(method, chunk_size, tp_group)
+        loss_fn = _kl_fn(method, chunk_size, tp_group, loss, _labels(hp, wp, tp_group) if loss.ce_weight else None)
 
     def step():
         hp.grad = wp.grad = None
@@ -223,14 +276,14 @@ def _step_fn(method, hp, wp, ids, lps, chunk_size=None, tp_group=None):
     return step, grad_bytes
 
 
-def _measure(method, tokens, hidden, vocab, reps, chunk_size, device, tp_group=None, tp=1, rank=0):
+def _measure(method, tokens, hidden, vocab, reps, chunk_size, loss, device, tp_group=None, tp=1, rank=0):
     import torch
 
     h, w, ids, lps = _inputs(tokens, hidden, vocab, device, tp=tp, rank=rank)
     input_bytes = sum(t.numel() * t.element_size() for t in (h, w, ids, lps))
     hp, wp = _leaves(h, w, method)
     try:
-        step, grad_bytes = _step_fn(method, hp, wp, ids, lps, chunk_size, tp_group)
+        step, grad_bytes = _step_fn(method, hp, wp, ids, lps, chunk_size, tp_group, loss)
     except Unavailable as e:
         return dict(status="unavailable", error=str(e))
     try:
@@ -323,12 +376,12 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_tp(method, tokens, hidden, vocab, reps, chunk_size, tp):
+def _run_tp(method, tokens, hidden, vocab, reps, chunk_size, loss, tp):
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
     results = mp.get_context("spawn").SimpleQueue()
-    args = (tp, _free_port(), results, method, tokens, hidden, vocab, reps, chunk_size)
+    args = (tp, _free_port(), results, method, tokens, hidden, vocab, reps, chunk_size, loss)
     failure = None
     try:
         mp.spawn(_tp_rank, args=args, nprocs=tp)
@@ -352,50 +405,56 @@ def _run_tp(method, tokens, hidden, vocab, reps, chunk_size, tp):
     )
 
 
-def run_one(method, shape, reps, chunk_size=None, tp=1):
+def run_one(method, shape, reps, chunk_size=None, tp=1, loss=Loss()):
     import torch
 
     tokens, hidden, vocab = SHAPES[shape]
     row = dict(method=method, shape=shape, tokens=tokens, hidden=hidden, vocab=vocab,
-               vocab_local=vocab // tp, tp=tp, chunk_size=chunk_size)
+               vocab_local=vocab // tp, tp=tp, chunk_size=chunk_size, **asdict(loss))
     if tp == 1:
-        row.update(_measure(method, tokens, hidden, vocab, reps, chunk_size, torch.device("cuda")))
+        row.update(_measure(method, tokens, hidden, vocab, reps, chunk_size, loss, torch.device("cuda")))
     elif method not in TP_METHODS:
         row.update(status=f"unsupported at tp>1 (only {', '.join(TP_METHODS)})")
     else:
         assert vocab % tp == 0, f"vocab {vocab} of {shape} does not split over tp={tp}"
-        row.update(_run_tp(method, tokens, hidden, vocab, reps, chunk_size, tp))
+        row.update(_run_tp(method, tokens, hidden, vocab, reps, chunk_size, loss, tp))
     return row
 
 
-def check(chunk_size=None, tol=1e-4):
-    """Loss, grad_hidden and grad_weight of every KL method against the float64 reference."""
+def check(chunk_size=None, tol=1e-4, losses=(Loss(),)):
+    """Loss, grad_hidden and grad_weight of every KL method against the float64 reference, for each
+    of ``losses`` the method computes."""
     import torch
 
     from megatron_kd.ops import topk_kl_reference
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     h, w, ids, lps = _inputs(64, 32, 256, dev, topk=8, dtype=torch.float32)
-    ref_h, ref_w = h.double().requires_grad_(), w.double().requires_grad_()
-    ref, _ = topk_kl_reference(ref_h, ref_w, ids, lps)
-    ref.backward()
-    ref = ref.detach()
     triton_ok = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     failed = []
-    for method in KL_METHODS:
-        if "triton" in method and not triton_ok:
-            print(f"check {method:22} skipped (no CUDA)")
-            continue
-        hp, wp = _leaves(h.clone(), w.clone(), method)
-        # 24 tokens by default: several chunks and a ragged last one
-        step, _ = _step_fn(method, hp, wp, ids, lps, chunk_size=chunk_size or 24)
-        loss = step()
-        pairs = (("loss", loss, ref), ("grad_hidden", hp.grad, ref_h.grad),
-                 ("grad_weight", getattr(wp, "main_grad", wp.grad), ref_w.grad))
-        errs = {name: float((x.detach().double() - r).norm() / r.norm()) for name, x, r in pairs}
-        ok = all(e <= tol for e in errs.values())
-        failed += [] if ok else [method]
-        print(f"check {method:22} " + "  ".join(f"{k} {v:.1e}" for k, v in errs.items()) + ("  ok" if ok else "  FAIL"))
+    for loss_spec in losses:
+        ref_h, ref_w = h.double().requires_grad_(), w.double().requires_grad_()
+        ref, _ = topk_kl_reference(ref_h, ref_w, ids, lps, **loss_spec.kwargs(_labels(ref_h, ref_w, None)))
+        ref.backward()
+        ref = ref.detach()
+        name = f"{loss_spec.divergence}/{loss_spec.tail}" + (f"/ce{loss_spec.ce_weight:g}" if loss_spec.ce_weight else "")
+        for method in KL_METHODS:
+            if method not in LOSS_METHODS and loss_spec != Loss():
+                continue
+            if "triton" in method and not triton_ok:
+                print(f"check {name:16} {method:22} skipped (no CUDA)")
+                continue
+            hp, wp = _leaves(h.clone(), w.clone(), method)
+            # 24 tokens by default: several chunks and a ragged last one
+            step, _ = _step_fn(method, hp, wp, ids, lps, chunk_size=chunk_size or 24, loss=loss_spec)
+            loss = step()
+            pairs = (("loss", loss, ref), ("grad_hidden", hp.grad, ref_h.grad),
+                     ("grad_weight", getattr(wp, "main_grad", wp.grad), ref_w.grad))
+            errs = {n: float((x.detach().double() - r).norm() / r.norm()) for n, x, r in pairs}
+            ok = all(e <= tol for e in errs.values())
+            failed += [] if ok else [f"{method} ({name})"]
+            print(f"check {name:16} {method:22} " + "  ".join(f"{k} {v:.1e}" for k, v in errs.items())
+                  + ("  ok" if ok else "  FAIL"))
     if failed:
         raise SystemExit(f"check failed (relative error > {tol}): {', '.join(failed)}")
 
@@ -449,10 +508,13 @@ def kernel_sweep(shape: str, chunk: int, configs: str):
 def print_summary(rows: list[dict]) -> None:
     """One line per row; a method's ratio to the floor of the same round and shape, where it ran."""
     floors = {(r["round"], r["shape"]): r["ms"] for r in rows if r["method"] == "floor" and r.get("status") == "ok"}
-    print(f"\n{'round':>5} {'shape':16} {'method':22} {'tp':>2} {'chunk':>6} {'ms':>9} {'x floor':>7} {'TFLOP/s':>8} "
-          f"{'peak GiB':>9} {'over in+grad GiB':>17}")
+    print(f"\n{'round':>5} {'shape':16} {'method':22} {'loss':20} {'tp':>2} {'chunk':>6} {'ms':>9} {'x floor':>7} "
+          f"{'TFLOP/s':>8} {'peak GiB':>9} {'over in+grad GiB':>17}")
     for r in rows:
-        head = f"{r['round']:5} {r['shape']:16} {r['method']:22} {r.get('tp', 1):>2} {r.get('chunk_size') or 'auto':>6}"
+        loss = "" if r["method"] == "floor" or r.get("divergence") is None else \
+            f"{r['divergence']}/{r['tail']}" + (f"/ce{r['ce_weight']:g}" if r.get("ce_weight") else "")
+        head = (f"{r['round']:5} {r['shape']:16} {r['method']:22} {loss:20} {r.get('tp', 1):>2} "
+                f"{r.get('chunk_size') or 'auto':>6}")
         if r.get("status") == "ok":
             floor = floors.get((r["round"], r["shape"]))
             ratio = f"{r['ms'] / floor:7.3f}" if floor else f"{'':7}"
@@ -475,18 +537,27 @@ def main():
     p.add_argument("--kernel-sweep", metavar="BLOCKxWARPS,...", default=None,
                    help="time the Triton kernels alone on one [chunk-size x V] block of each shape, per config")
     p.add_argument("--rounds", type=int, default=1, help="run every (shape, method) this many times, interleaved")
+    p.add_argument("--divergence", default="forward",
+                   help="comma-separated divergences of ours-* and dense: forward, reverse, jsd, or all")
+    p.add_argument("--tail", default=None,
+                   help="comma-separated tails (default: none for forward, renorm,ghost for reverse and jsd)")
+    p.add_argument("--ce-weight", type=float, default=0.0, help="hard-label CE weight (random labels) of ours-*, dense")
     p.add_argument("--out", type=Path, default=None, help="CSV file for the results")
-    p.add_argument("--one", nargs=2, metavar=("METHOD", "SHAPE"), help=argparse.SUPPRESS)
+    p.add_argument("--one", nargs=5, metavar=("METHOD", "SHAPE", "DIVERGENCE", "TAIL", "CE_WEIGHT"),
+                   help=argparse.SUPPRESS)
     args = p.parse_args()
+    losses = loss_variants(args.divergence, args.tail, args.ce_weight)
     if args.check:
-        check(args.chunk_size)
+        check(args.chunk_size, losses=losses)
         return
     if args.kernel_sweep:
         for shape in args.shapes.split(","):
             kernel_sweep(shape, args.chunk_size or 1024, args.kernel_sweep)
         return
     if args.one:
-        print(json.dumps(run_one(*args.one, args.reps, args.chunk_size, args.tp)))
+        method, shape, divergence, tail, ce_weight = args.one
+        print(json.dumps(run_one(method, shape, args.reps, args.chunk_size, args.tp,
+                                 Loss(divergence, tail, float(ce_weight)))))
         return
 
     methods = args.methods.split(",") if args.methods else (METHODS if args.tp == 1 else TP_METHODS)
@@ -494,15 +565,18 @@ def main():
     if args.chunk_size:
         extra += ["--chunk-size", str(args.chunk_size)]
     rows = []
-    for rnd, shape, method in itertools.product(range(1, args.rounds + 1), args.shapes.split(","), methods):
+    # one row per (method, loss): the methods that compute one loss only get the default one
+    runs = [(m, loss) for m in methods for loss in (losses if m in LOSS_METHODS else [Loss()])
+            if m in LOSS_METHODS or Loss() in losses or m == "floor"]
+    for rnd, shape, (method, loss) in itertools.product(range(1, args.rounds + 1), args.shapes.split(","), runs):
         env = dict(os.environ, **({"BENCH_LOSS_PROFILE": "1"} if args.profile else {}))
-        proc = subprocess.run([sys.executable, __file__, "--one", method, shape, *extra],
-                              capture_output=True, text=True, env=env)
+        proc = subprocess.run([sys.executable, __file__, "--one", method, shape, loss.divergence, loss.tail,
+                               str(loss.ce_weight), *extra], capture_output=True, text=True, env=env)
         if args.profile:
             print(proc.stderr[-6000:], file=sys.stderr)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         row = json.loads(lines[-1]) if lines else dict(
-            method=method, shape=shape, tp=args.tp, chunk_size=args.chunk_size, status="error")
+            method=method, shape=shape, tp=args.tp, chunk_size=args.chunk_size, status="error", **asdict(loss))
         if not lines:
             print(proc.stderr[-3000:], file=sys.stderr)
         row["round"] = rnd

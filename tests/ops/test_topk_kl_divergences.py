@@ -136,9 +136,10 @@ def test_label_among_teacher_ids_and_duplicate_ids(seed, impl, divergence, tail,
                          [("reverse", "renorm", 1.0, 0.0), ("jsd", "ghost", 2.0, 0.5)])
 def test_triton_rows_longer_than_one_tile(seed, divergence, tail, temperature, ce_weight):
     """V_local = 9000: three 4096-lane tiles, the last ragged; renorm without CE zeroes the block
-    (sparse-only gradient) instead of exponentiating it."""
+    (sparse-only gradient) instead of exponentiating it. K = 40: row_terms_kernel walks the entries in
+    two tiles, the last ragged."""
     _skip_unless_cpu_triton("triton")
-    x = make_inputs(s=4, b=1, h=16, vocab=9000, k=12)
+    x = make_inputs(s=4, b=1, h=16, vocab=9000, k=40)
     kw = dict(loss_mask=x.loss_mask, labels=x.labels, ce_weight=ce_weight, temperature=temperature, tail=tail,
               divergence=divergence)
     ref = loss_and_grads(topk_kl_reference, x, **kw)
