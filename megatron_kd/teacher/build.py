@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_reduce(totals)
     dist.barrier()
     samples, tokens, mass = (float(x) for x in totals)
-    print_rank_0(f"teacher cache {args.kd_cache}: {int(samples)} samples, {int(tokens):,} tokens, "
-                 f"{store_bytes(args.kd_cache) / max(tokens, 1):.1f} bytes/token, "
-                 f"mean teacher mass {mass / max(tokens, 1):.4f}, mode {mode}, K={k}")
+    # a resumed pass computes only what was missing: say so, and size the store by what it holds
+    total = consumed_train_samples(args)
+    already = f" ({total - int(samples)} were already in the cache)" if int(samples) < total else ""
+    this_pass = (f"mean teacher mass {mass / tokens:.4f} over them" if tokens else "nothing left to compute")
+    print_rank_0(f"teacher cache {args.kd_cache}: {total} samples, "
+                 f"{store_bytes(args.kd_cache) / (total * args.seq_length):.1f} bytes/token, mode {mode}, K={k}; "
+                 f"this pass computed {int(samples)} samples, {int(tokens):,} tokens{already}, {this_pass}")
     return 0
