@@ -29,6 +29,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
     (["cache", "build", *MODEL, "--kd-topk", "0"], "--kd-topk must be an integer >= 1, got 0"),
     (["cache", "build", *MODEL, "--kd-capture-temperature", "inf"], "--kd-capture-temperature must be a finite number > 0"),
     (["cache", "build", *MODEL, "--kd-cache-mode", "sampled", "--kd-samples", "0"], "--kd-samples must be an integer >= 1"),
+    (["train", *MODEL, "--kd-cache", "/nonexistent"], "--kd-cache /nonexistent: no such directory"),
+    (["cache", "build", *MODEL], "cache build needs --kd-cache PATH"),
     (["demo", "--bogus"], "unrecognized arguments: --bogus"),
     (["cache", "verify"], "the following arguments are required: path"),
     (["plan", "--gpus", "x"], "argument --gpus: invalid int value: 'x'"),

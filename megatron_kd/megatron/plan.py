@@ -206,14 +206,20 @@ def layout_error(args, layout: Layout, gpus: int, *, sequence_parallel: bool | N
     return None
 
 
-# the model's sizes: what each must be (the layout's are in layout_error)
+# the run's sizes, each >= 1 where given (layout_error checks them again for the layouts --search makes)
 _MODEL_SIZES = (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
                 ("--num-attention-heads", "num_attention_heads"), ("--seq-length", "seq_length"),
                 ("--ffn-hidden-size", "ffn_hidden_size"), ("--kv-channels", "kv_channels"),
                 ("--num-query-groups", "num_query_groups"), ("--num-experts", "num_experts"),
                 ("--moe-ffn-hidden-size", "moe_ffn_hidden_size"), ("--moe-router-topk", "moe_router_topk"),
                 ("--global-batch-size", "global_batch_size"), ("--vocab-size", "vocab_size"),
-                ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by"))
+                ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by"),
+                ("--micro-batch-size", "micro_batch_size"),
+                ("--tensor-model-parallel-size", "tensor_model_parallel_size"),
+                ("--pipeline-model-parallel-size", "pipeline_model_parallel_size"),
+                ("--context-parallel-size", "context_parallel_size"),
+                ("--expert-model-parallel-size", "expert_model_parallel_size"),
+                ("--expert-tensor-parallel-size", "expert_tensor_parallel_size"))
 
 
 def check_model_sizes(args) -> None:
@@ -354,6 +360,8 @@ def plan_args(flags: list[str], gpus: int) -> tuple[argparse.Namespace, Layout]:
     args.padded_vocab_size = -(-vocab // multiple) * multiple
     args.kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    if args.num_experts:  # as Megatron-LM's validation defaults it
+        args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
     args.global_batch_size = args.global_batch_size or gpus
     layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                     ep=args.expert_model_parallel_size, cp=args.context_parallel_size,

@@ -235,7 +235,8 @@ def _raised_by_cuda(e: BaseException) -> bool:
 
 def check_megatron_run(argv: list[str], command: str, args_defaults: dict | None = None) -> argparse.Namespace:
     """Everything ``megatron-kd train`` / ``cache build`` can check before distributed start-up,
-    in order, each mistake one line: our flag check, Megatron-LM's own validation (on a private
+    in order, each mistake one line: our flag check, --kd-cache (train: it exists; cache build: it
+    is given), Megatron-LM's own validation (on a private
     copy, quietly: the run validates again and prints it), then that this machine has CUDA.
     Megatron-LM's validation asks the GPU for its architecture under tensor or context
     parallelism; without CUDA that query is where the no-CUDA line comes from."""
@@ -247,6 +248,10 @@ def check_megatron_run(argv: list[str], command: str, args_defaults: dict | None
     from megatron.training.arguments import parse_args, validate_args
 
     flags = check_megatron_flags(argv)
+    if command == "cache build" and not flags.kd_cache:
+        raise FlagError("cache build needs --kd-cache PATH: where to write the teacher cache")
+    if command == "train" and flags.kd_cache and not os.path.isdir(flags.kd_cache):
+        raise FlagError(f"--kd-cache {flags.kd_cache}: no such directory (build it with megatron-kd cache build)")
     saved_argv = sys.argv
     sys.argv = [sys.argv[0], *argv]
     try:
