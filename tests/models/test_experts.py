@@ -4,7 +4,8 @@
    groups: output and the gradients of the input, the probabilities and every expert parameter
    (bf16 on CPU, where torch's grouped_mm has a backward; bf16 on CUDA), without recompute and with
    the activation recomputed (``--recompute-modules moe_act``, under selective and block recompute)
-2. recomputing the activation changes nothing: output and every gradient bitwise equal on CPU
+2. recomputing the activation changes nothing: output and every gradient bitwise equal on CPU (within
+   1e-3 on CUDA, where the compiled activation's forward and backward graphs differ)
 3. what forward keeps for backward (counted with saved_tensors_hooks): never a stacked weight copy;
    with the activation recomputed exactly fc1's input with its bias column, fc1's output, the
    probabilities and the offsets, at least fc2's whole input less than without
@@ -124,11 +125,14 @@ def _check_recompute_and_saved_bytes(device, seed):
     inputs = _inputs(device, seed)
     (out1, *grads1), saved_kept = _run(kept, *inputs)
     (out2, *grads2), saved_recomputed = _run(recomputed, *inputs)
-    assert torch.equal(out1, out2)
-    assert torch.equal(grads1[0], grads2[0]) and torch.equal(grads1[1], grads2[1])
+    # eager CPU kernels recompute bitwise; on CUDA the compiled activation runs as an inference graph
+    # in forward and a training graph in backward
+    same = torch.equal if device.type == "cpu" else (lambda a, b: rel_err(a.float(), b.float()) < 1e-3)
+    assert same(out1, out2)
+    assert same(grads1[0], grads2[0]) and same(grads1[1], grads2[1])
     assert grads1[2].keys() == grads2[2].keys()
     for name in grads1[2]:
-        assert torch.equal(grads1[2][name], grads2[2][name]), name
+        assert same(grads1[2][name], grads2[2][name]), name
 
     # the stacked weights ([E, out, in], the only 3-D tensors) are rebuilt in backward, never kept
     assert all(dim < 3 for _, dim in saved_kept + saved_recomputed)
@@ -145,8 +149,7 @@ def _experts_worker(rank, world, seed, device):
     def checks(device):
         for recompute in RECOMPUTE:
             _compare_experts(device, seed, recompute)
-        if device.type == "cpu":  # bitwise equality and exact byte counts: eager CPU kernels
-            _check_recompute_and_saved_bytes(device, seed)
+        _check_recompute_and_saved_bytes(device, seed)
 
     if device == "cuda":
         init_tensor_parallel(1)
