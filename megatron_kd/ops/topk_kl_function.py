@@ -11,7 +11,9 @@ and the labels' shard columns. Per chunk of c tokens (three GEMMs in all, the fl
     -> G = dLoss/dz in place                   torch: logit_grad_; Triton: grad_fixup_ (G = σ·X)
     grad_h[c]  = G · W_local                   GEMM 2 (Triton: σ scales the product's rows)
     grad_W    += Gᵀ · h_c                      GEMM 3, fp32 accumulation (Triton: of Xᵀ·(σ·h_c))
-Per-token losses land in [T] buffers, summed once after the loop.
+Per-token losses land in [T] buffers, summed once after the loop. divergence="reverse" / "jsd" add,
+after the combine, two per-row sums over the teacher entries (support_divergence.py; Triton:
+row_terms_kernel), all-reduced across the TP group as [c, 2] when tp > 1.
 
 impl "torch": the block is fp32 (fp64 for fp64 inputs) and plain torch ops walk it; on CUDA with
 bf16/fp16 inputs G is cast to a low-precision copy for GEMMs 2-3.

@@ -24,6 +24,14 @@ the same memory) and is read and written once, by one program per row:
 ``scale_rows_kernel``  σ on the rows of the chunk's grad_h (after GEMM 2, in fp32) and of its h
                        (before GEMM 3): [c, h], small next to the block.
 
+divergence="reverse" / "jsd" (``SupportSpec``; the math of ``support_divergence.py``) take the same
+passes: row_terms_kernel also walks each row's K entries (z_S, log P_v) for the per-row sums F and
+H and writes two more per-row values (the log-normalizer less this rank's reference, and the
+center H or g_rest); grad_fixup_kernel forms each entry's Q_v and g_v from them. Under TP the sums
+come first from the same kernel in its partial-sums variant (``support_sums``) and are all-reduced.
+Renorm without a CE gradient has no dense part: exp_stats_kernel writes zeros (WRITE_ZEROS) and the
+fix-up writes the sparse entries with σ = 1 (SPARSE_ONLY). Forward compiles none of this.
+
 A separate statistics pass, read before the gradient pass, would read every block twice. All
 arithmetic is fp32. The sparse entries are *rewritten* (not added to): rewriting lets duplicate ids
 in a row and a label that is also a teacher id produce identical stores (no read-modify-write race).
