@@ -12,12 +12,30 @@ and replaces ``forward`` with ``core_attention`` below, which picks per layer by
           (see ``_CudnnSinkAttention``); K/V repeated to the query heads, as cuDNN needs
   "flex"  sliding-window layers, with or without sinks (CUDA): compiled ``flex_attention`` with a
           block mask (memory and time linear in s), sinks folded in through its log-sum-exp
+  "varlen" packed documents only (CUDA): flash attention's variable-length kernels (below)
   "math"  the exact reference on any device (fp32 softmax, materializes the scores): CPU runs
-  "auto"  sdpa, else cudnn / flex on CUDA and math elsewhere
+  "auto"  sdpa, else cudnn / flex on CUDA and math elsewhere; with documents flex on CUDA, math elsewhere
 
 A sink is one extra key per head whose logit is the sink and whose value is zero: it takes
 probability mass and adds nothing. With lse the log-sum-exp of the real scores of a row and
 σ the sink, lse' = logaddexp(lse, σ) and the output is o·exp(lse − lse') = o·sigmoid(lse − σ).
+
+Packed documents (``documents=``, a ``megatron_kd.megatron.packing.Documents``; CoreAttention
+takes it from ``PackedDocuments``): query i also sees only keys j >= start(i), the first token of
+its document, on every path, so a packed sample computes what each document computes alone:
+
+  "math"   the term in the materialized mask (CPU runs, the definition tests)
+  "flex"   a block mask built from the documents (``_document_block_mask``): per 128-query block,
+           the key blocks that hold a visible pair, marked full where every pair is visible (no
+           mask_mod there); mask_mod composes the document, causal and window terms; sinks fold in
+           through the LSE as without documents. "auto" picks it for every packed layer on CUDA
+           (window, full with sinks, plain causal): no host sync, measured against "varlen" in
+           benchmarks/bench_packing.py
+  "varlen" flash attention's variable-length kernels (aten ``_flash_attention_forward`` /
+           ``_backward`` with cu_seqlens over the flattened b·s tokens; GQA and windows native),
+           sinks folded in like cuDNN's (``_VarlenAttention``); needs the longest document on the
+           host (``Documents.varlen``, one copy queued when the batch's documents are made)
+  SDPA and cuDNN take no document layout without an [s, s] mask: "sdpa" / "cudnn" refuse documents.
 
 Shapes: query [b, heads, s, d], key/value [b, groups, s, d] (``core_attention``); the module takes
 megatron's [s, b, heads, d] and returns [s, b, heads·d]. Megatron's window (left, right) lets
@@ -34,7 +52,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
 
-ATTENTION_IMPLS = ("auto", "sdpa", "cudnn", "flex", "math")
+ATTENTION_IMPLS = ("auto", "sdpa", "cudnn", "flex", "varlen", "math")
 
 
 def visible_keys(sq: int, skv: int, *, causal: bool, window: tuple[int, int] | None,
@@ -52,8 +70,9 @@ def visible_keys(sq: int, skv: int, *, causal: bool, window: tuple[int, int] | N
 
 
 def attention_math(q, k, v, *, scale: float, causal: bool = True, window=None, sink=None,
-                   dropout_p: float = 0.0) -> torch.Tensor:
-    """Exact attention with an optional window and per-head sink logits; materializes the scores.
+                   dropout_p: float = 0.0, documents=None) -> torch.Tensor:
+    """Exact attention with an optional window, per-head sink logits and packed documents;
+    materializes the scores.
 
     Query head h reads key group h // (heads/groups), as megatron-core's repeat_interleave does.
     Softmax in fp32 (fp64 for fp64 inputs); returns [b, heads, s, d] in q's dtype.
@@ -65,6 +84,9 @@ def attention_math(q, k, v, *, scale: float, causal: bool = True, window=None, s
     qg = q.to(acc).reshape(b, g, r, s, d)
     scores = torch.matmul(qg, k.to(acc).unsqueeze(2).transpose(-1, -2)) * scale  # [b, g, r, s, skv]
     keep = visible_keys(s, skv, causal=causal, window=window, device=q.device)
+    if documents is not None:  # key j at or after the first token of query i's document
+        same = torch.arange(skv, device=q.device).view(1, 1, skv) >= documents.starts.unsqueeze(-1)  # [b, s, skv]
+        keep = (same & keep).view(b, 1, 1, s, skv)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     if sink is not None:
@@ -93,6 +115,9 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+_FLEX_BLOCK = 128  # flex's default sparse block (queries and keys)
+
+
 @functools.lru_cache(maxsize=32)
 def _block_mask(sq: int, skv: int, causal: bool, window: tuple[int, int] | None, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
@@ -110,10 +135,63 @@ def _block_mask(sq: int, skv: int, causal: bool, window: tuple[int, int] | None,
     return create_block_mask(mask_mod, B=None, H=None, Q_LEN=sq, KV_LEN=skv, device=device)
 
 
-def attention_flex(q, k, v, *, scale: float, causal: bool = True, window=None, sink=None) -> torch.Tensor:
+def _blocks_in_order(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [b, nq, nkv] -> (count int32 [b, 1, nq], key-block indices int32 [b, 1, nq, nkv], the
+    marked ones first in increasing order): flex's kv_num_blocks / kv_indices."""
+    count = dense.sum(-1, dtype=torch.int32)
+    order = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return count.unsqueeze(1).contiguous(), order.unsqueeze(1).contiguous()
+
+
+def _document_block_mask(starts: torch.Tensor, window: tuple[int, int] | None, block: int = _FLEX_BLOCK):
+    """Flex's block mask for causal attention within documents (``starts`` int32 [b, s]) and an
+    optional window, built from the documents without evaluating [s, s] pairs.
+
+    Query q sees keys [lower(q), upper(q)] with lower(q) = max(start(q), q − left) and
+    upper(q) = q + min(right, 0); both ends grow with q, so query block [f_i, l_i] holds a visible
+    pair with key block [f_j, l_j] iff f_j <= upper(l_i) and l_j >= lower(f_i), and every pair of
+    the two blocks is visible iff l_j <= upper(f_i) and f_j >= lower(l_i) (a full block: flex skips
+    mask_mod there). O(s + (s/block)²) work on the device.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    b, s = starts.shape
+    n = -(-s // block)
+    left, right = window if window is not None else (None, 0)
+    reach = min(right, 0)  # causal: no key after the query
+    first = torch.arange(n, device=starts.device) * block  # first and last token of each block
+    last = (first + block).clamp(max=s) - 1
+
+    def lower(i):  # [b, n]: the earliest key each query of positions i sees
+        lo = starts[:, i].long()
+        return lo if left is None else torch.maximum(lo, i - left)
+
+    f_q, l_q = first.view(1, n, 1), last.view(1, n, 1)
+    f_kv, l_kv = first.view(1, 1, n), last.view(1, 1, n)
+    visible = (f_kv <= l_q + reach) & (l_kv >= lower(first).unsqueeze(-1))  # [b, nq, nkv]
+    whole = last - first + 1 == block  # a short last block stays partial, as create_block_mask leaves it
+    full = (l_kv <= f_q + reach) & (f_kv >= lower(last).unsqueeze(-1)) & whole.view(1, n, 1) & whole.view(1, 1, n)
+    kv_num, kv_indices = _blocks_in_order(visible & ~full)
+    full_num, full_indices = _blocks_in_order(full)
+
+    def mask_mod(b_idx, h_idx, q_idx, kv_idx):
+        keep = (kv_idx <= q_idx + reach) & (kv_idx >= starts[b_idx, q_idx])
+        if left is not None:
+            keep = keep & (kv_idx >= q_idx - left)
+        return keep
+
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(s, s))
+
+
+def attention_flex(q, k, v, *, scale: float, causal: bool = True, window=None, sink=None,
+                   documents=None) -> torch.Tensor:
     from torch.nn.attention.flex_attention import AuxRequest
 
-    mask = _block_mask(q.shape[2], k.shape[2], causal, window, str(q.device))
+    if documents is None:
+        mask = _block_mask(q.shape[2], k.shape[2], causal, window, str(q.device))
+    else:  # one block mask per micro-batch and kind of layer, shared by the layers of that kind
+        mask = documents.memo(("flex", window), lambda: _document_block_mask(documents.starts, window))
     out, aux = _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                 return_aux=AuxRequest(lse=True))
     return out if sink is None else _fold_sink(out, aux.lse, sink)
@@ -174,9 +252,61 @@ def attention_cudnn(q, k, v, *, scale: float, sink=None) -> torch.Tensor:
     return _CudnnSinkAttention.apply(q, k, v, sink, scale)
 
 
+# ------------------------------------------------------------------------------------------- varlen
+class _VarlenAttention(torch.autograd.Function):
+    """Causal attention within documents on flash attention's variable-length kernels.
+
+    q [T, heads, d], k / v [T, groups, d]: the micro-batch's b·s tokens, sample after sample;
+    cu_seqlens int32 [n + 1] bound its n documents, ``longest`` (a host int) sizes the grid. GQA
+    and a window (``left`` keys back) are native. The flash kernels return lse [heads, T]; a sink
+    folds in as in ``_CudnnSinkAttention``: forward o' = o·exp(lse − lse'), backward fed (o', lse').
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, sink, cu_seqlens, longest, scale, left):
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, True, False, scale=scale,
+            window_size_left=left, window_size_right=0)
+        if sink is not None:
+            lse_sink = torch.logaddexp(lse, sink.float().view(-1, 1))
+            out = (out.float() * torch.exp(lse - lse_sink).t().unsqueeze(-1)).to(out.dtype)
+            lse = lse_sink
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused, sink)
+        ctx.longest, ctx.scale, ctx.left = longest, scale, left
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse, cu_seqlens, rng_state, unused, sink = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            d_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, ctx.longest, ctx.longest, 0.0, True, rng_state, unused,
+            scale=ctx.scale, window_size_left=ctx.left, window_size_right=0)
+        d_sink = None
+        if sink is not None:
+            rowsum = (d_out.float() * out.float()).sum(-1).t()  # D' [heads, T]
+            d_sink = -(torch.exp(sink.float().view(-1, 1) - lse) * rowsum).sum(1).to(sink.dtype)
+        return dq, dk, dv, d_sink, None, None, None, None
+
+
+def attention_varlen(q, k, v, *, scale: float, window=None, sink=None, documents) -> torch.Tensor:
+    """Causal attention within ``documents`` (optionally windowed, with sinks) through
+    ``_VarlenAttention``; q [b, heads, s, d], k / v [b, groups, s, d] -> [b, heads, s, d]."""
+    if window is not None and window[1] != 0:
+        raise ValueError(f"impl='varlen' takes windows (left, 0), got {window}")
+    b, n, s, d = q.shape
+    cu_seqlens, longest = documents.varlen()
+    flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]  # [b·s, heads, d]
+    out = _VarlenAttention.apply(*flat, sink, cu_seqlens, longest, scale, None if window is None else window[0])
+    return out.view(b, s, n, d).transpose(1, 2)
+
+
 # ------------------------------------------------------------------------------------------ dispatch
-def pick_impl(*, device: torch.device, causal: bool, window, sink, dropout_p: float) -> str:
+def pick_impl(*, device: torch.device, causal: bool, window, sink, dropout_p: float,
+              documents: bool = False) -> str:
     """The implementation ``core_attention(impl="auto")`` runs for a layer."""
+    if documents:
+        return "flex" if device.type == "cuda" and dropout_p == 0 else "math"
     if window is None and sink is None:
         return "sdpa"
     if device.type != "cuda" or dropout_p > 0:
@@ -187,16 +317,30 @@ def pick_impl(*, device: torch.device, causal: bool, window, sink, dropout_p: fl
 
 
 def core_attention(q, k, v, *, scale: float, causal: bool = True, window: tuple[int, int] | None = None,
-                   sink: torch.Tensor | None = None, dropout_p: float = 0.0, impl: str = "auto") -> torch.Tensor:
+                   sink: torch.Tensor | None = None, dropout_p: float = 0.0, impl: str = "auto",
+                   documents=None) -> torch.Tensor:
     """Attention of q [b, heads, s, d] over k, v [b, groups, skv, d] (GQA), causal and/or within a
-    ``window``, with an optional sink logit per head ``sink`` [heads]; returns [b, heads, s, d].
+    ``window``, with an optional sink logit per head ``sink`` [heads], and within the packed
+    ``documents`` of each sample (``packing.Documents`` of shape [b, s]); returns [b, heads, s, d].
     ``impl`` names the implementation (``ATTENTION_IMPLS``; see the module docstring)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if documents is not None:
+        if not causal:
+            raise ValueError("packed documents are for causal attention")
+        if documents.shape != (q.shape[0], q.shape[2]) or k.shape[2] != q.shape[2]:
+            raise ValueError(f"documents of shape {documents.shape} for queries [b, heads, s, d] = {tuple(q.shape)} "
+                             f"and {k.shape[2]} keys: self-attention over the packed samples is [b, s]")
+        if impl in ("sdpa", "cudnn"):
+            raise ValueError(f"impl={impl!r} has no document masking; use 'flex', 'varlen' or 'math'")
+    elif impl == "varlen":
+        raise ValueError("impl='varlen' is for packed documents (documents=); use 'flex', 'cudnn' or 'sdpa'")
     if impl == "auto":
-        impl = pick_impl(device=q.device, causal=causal, window=window, sink=sink, dropout_p=dropout_p)
+        impl = pick_impl(device=q.device, causal=causal, window=window, sink=sink, dropout_p=dropout_p,
+                         documents=documents is not None)
     if impl == "math":
-        return attention_math(q, k, v, scale=scale, causal=causal, window=window, sink=sink, dropout_p=dropout_p)
+        return attention_math(q, k, v, scale=scale, causal=causal, window=window, sink=sink, dropout_p=dropout_p,
+                              documents=documents)
     if impl == "sdpa":
         if window is not None or sink is not None:
             raise ValueError("impl='sdpa' has neither windows nor sinks; use 'flex', 'cudnn' or 'math'")
@@ -208,7 +352,9 @@ def core_attention(q, k, v, *, scale: float, causal: bool = True, window: tuple[
         if window is not None or not causal:
             raise ValueError("impl='cudnn' is for full causal layers; use 'flex' for windows")
         return attention_cudnn(q, k, v, scale=scale, sink=sink)
-    return attention_flex(q, k, v, scale=scale, causal=causal, window=window, sink=sink)
+    if impl == "varlen":
+        return attention_varlen(q, k, v, scale=scale, window=window, sink=sink, documents=documents)
+    return attention_flex(q, k, v, scale=scale, causal=causal, window=window, sink=sink, documents=documents)
 
 
 class CoreAttention(DotProductAttention):
@@ -226,12 +372,20 @@ class CoreAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("CoreAttention supports neither packed sequences nor attention bias")
+        from megatron_kd.megatron.packing import PackedDocuments
+
+        if attention_bias is not None:
+            raise ValueError("CoreAttention does not take an attention bias")
+        if packed_seq_params is not None and not isinstance(packed_seq_params, PackedDocuments):
+            raise ValueError(f"CoreAttention takes packed documents as megatron_kd.megatron.packing.PackedDocuments; "
+                             f"got {type(packed_seq_params).__name__} (qkv_format {packed_seq_params.qkv_format!r}: "
+                             f"the THD format needs Transformer Engine's attention)")
+        documents = None if packed_seq_params is None else packed_seq_params.documents
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         context = core_attention(q, k, v, scale=self.softmax_scale, causal=causal, window=self.window,
-                                 sink=self.softmax_offset, dropout_p=self.dropout_p if self.training else 0.0)
+                                 sink=self.softmax_offset, dropout_p=self.dropout_p if self.training else 0.0,
+                                 documents=documents)
         # [b, n, s, d] -> [s, b, n·d]
         return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], self.hidden_size_per_partition)

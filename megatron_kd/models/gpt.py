@@ -72,13 +72,19 @@ def build_gpt_model(config: TransformerConfig, *, vocab_size: int, max_sequence_
                     share_embeddings_and_output_weights: bool = False, pre_process: bool = True,
                     post_process: bool = True, use_te: bool | None = None, vp_stage: int | None = None) -> GPTModel:
     config = correct_config(config)
-    return GPTModel(
+    use_te = have_transformer_engine() if use_te is None else use_te
+    model = GPTModel(
         config=config, transformer_layer_spec=gpt_layer_spec(config, use_te=use_te), vocab_size=vocab_size,
         max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type, rotary_base=rotary_base, rotary_percent=rotary_percent,
         seq_len_interpolation_factor=seq_len_interpolation_factor, vp_stage=vp_stage,
     )
+    if not use_te:  # the local spec rotates by sequence index: packed documents bring their own positions
+        from megatron_kd.megatron.packing import install_document_positions
+
+        install_document_positions(model)
+    return model
 
 
 def gpt_model_from_args(args, config: TransformerConfig | None = None, *, pre_process: bool = True,
