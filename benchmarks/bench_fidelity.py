@@ -5,6 +5,8 @@ full-vocabulary student learns, and what does each cache choice cost?
     python benchmarks/bench_fidelity.py --size gpu --out runs/fidelity --resume   # after a stop
     python benchmarks/bench_fidelity.py --size cpu --out /tmp/fidelity --variants ce,online,top32-ghost
     python benchmarks/bench_fidelity.py --size gpu --set teacher_steps=2000 --set student=4,256,4 ...
+    python benchmarks/bench_fidelity.py --size gpu --out runs/divergences --divergence-ablation \
+        --variants ce,online,top100-renorm,sampled                  # + reverse / jsd on both caches
 
 End to end, nothing precomputed:
 
@@ -35,6 +37,12 @@ End to end, nothing precomputed:
      sampled[N]            the fused loss on the sampled cache (tail renorm; N draws, or chosen)
      top{K}-{tail}-ce{W}   the same with hard-label cross-entropy weight W; tail "best" is the
                            tail whose plain top-K variants scored best on held-out cross-entropy
+     ...-reverse, ...-jsd[B]  a top-K or sampled variant with another divergence of the same cached
+                           support (tail renorm or ghost): KL(student || teacher), or the
+                           Jensen-Shannon divergence with teacher weight B (default 0.5), e.g.
+                           top100-renorm-reverse, top100-ghost-jsd0.9-ce0.1, sampled-jsd.
+                           --divergence-ablation adds reverse and jsd to every top-100 and sampled
+                           variant of the run (forward KL, tail renorm or ghost)
 6. Held-out metrics of every model on the held-out split: cross-entropy and full-vocabulary
    KL(teacher || student), both in fp32 from fp32 weights. Wall time per training step is the
    steady state (after the first few steps, which also compile kernels) of everything a step
@@ -76,7 +84,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_kd.ops import TAILS
+from megatron_kd.ops import DIVERGENCES, TAILS
 
 EOD, PAD = "<eod>", "<pad>"
 TEXT_SUFFIXES = (".py", ".pyi", ".md", ".rst", ".txt")
@@ -168,6 +176,8 @@ class Variant:
     k: int = 0  # K of a top-K cache; draws of a sampled cache (0: chosen by calibration)
     tail: str = "none"  # a TAILS entry, or "best" until resolved
     ce_weight: float = 0.0
+    divergence: str = "forward"  # a DIVERGENCES entry (reverse / jsd: tail renorm or ghost)
+    jsd_beta: float = 0.5
 
     @property
     def cache(self) -> str | None:
@@ -177,23 +187,49 @@ class Variant:
         return None
 
 
-_VARIANT = re.compile(rf"^(?:(ce|online)|top(\d+)-({'|'.join(TAILS)}|best)(?:-ce(\d+(?:\.\d+)?))?|sampled(\d+)?)$")
+_NUMBER = r"\d+(?:\.\d+)?"
+_DIVERGENCE = rf"(?:-(reverse|jsd)({_NUMBER})?)?"
+_VARIANT = re.compile(rf"^(?:(ce|online)|top(\d+)-({'|'.join(TAILS)}|best){_DIVERGENCE}(?:-ce({_NUMBER}))?"
+                      rf"|sampled(\d+)?{_DIVERGENCE})$")
+SUPPORT_DIVERGENCES = tuple(d for d in DIVERGENCES if d != "forward")
 
 
 def parse_variant(name: str) -> Variant:
     m = _VARIANT.match(name)
     if m is None:
-        raise ValueError(f"unknown variant {name!r}: ce, online, top{{K}}-{{none|renorm|ghost|best}}[-ce{{W}}] "
-                         f"or sampled[N]")
-    plain, k, tail, ce_weight, draws = m.groups()
+        raise ValueError(f"unknown variant {name!r}: ce, online, top{{K}}-{{none|renorm|ghost|best}}[-reverse|-jsd[B]]"
+                         f"[-ce{{W}}] or sampled[N][-reverse|-jsd[B]]")
+    plain, k, tail, divergence, beta, ce_weight, draws, s_divergence, s_beta = m.groups()
     if plain:
         return Variant(name, plain)
+    divergence, beta = (divergence, beta) if k else (s_divergence, s_beta)
+    if beta is not None and divergence != "jsd":
+        raise ValueError(f"variant {name!r}: only jsd takes a weight (jsd{beta})")
+    loss = dict(divergence=divergence or "forward", jsd_beta=float(beta) if beta is not None else 0.5)
+    if not 0 < loss["jsd_beta"] < 1:
+        raise ValueError(f"variant {name!r}: the jsd weight must be in (0, 1), got {beta}")
     if k:
         if int(k) < 1:
             raise ValueError(f"variant {name!r}: K must be >= 1")
-        return Variant(name, "topk", int(k), tail, float(ce_weight or 0.0))
+        if divergence and tail not in ("renorm", "ghost"):  # "best" may resolve to none
+            raise ValueError(f"variant {name!r}: {divergence} needs tail renorm or ghost")
+        return Variant(name, "topk", int(k), tail, float(ce_weight or 0.0), **loss)
     # the sampled teacher has mass 1 on its draws: renorm is the tail meant for it (README)
-    return Variant(name, "sampled", int(draws or 0), "renorm")
+    return Variant(name, "sampled", int(draws or 0), "renorm", **loss)
+
+
+def with_divergence_ablation(variants: list[str]) -> list[str]:
+    """``variants`` plus reverse and jsd for each top-100 and sampled variant with forward KL and a
+    tail they take (renorm, ghost; sampled: renorm), each right after its forward variant."""
+    out = []
+    for name in variants:
+        out.append(name)
+        v = parse_variant(name)
+        if v.divergence == "forward" and (v.kind == "sampled" or (v.kind == "topk" and v.k == 100
+                                                                 and v.tail in ("renorm", "ghost"))):
+            stem, ce = (name.split("-ce", 1) + [""])[:2] if v.kind == "topk" else (name, "")
+            out += [f"{stem}-{d}" + (f"-ce{ce}" if ce else "") for d in SUPPORT_DIVERGENCES]
+    return list(dict.fromkeys(out))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -650,7 +686,8 @@ class Bench:
 
             return online
         # offline: exactly the forward step and loss function of `megatron-kd train`
-        forward_step = KDForwardStep(KDConfig(tail=v.tail, ce_weight=v.ce_weight), device=self.device)
+        forward_step = KDForwardStep(KDConfig(tail=v.tail, ce_weight=v.ce_weight, divergence=v.divergence,
+                                              jsd_beta=v.jsd_beta), device=self.device)
 
         def offline(model, step):
             output, loss_fn = forward_step(iter([next(batches)]), Autocast(model, self.dtype))
@@ -694,10 +731,10 @@ class Bench:
                  f"{1e3 * per_step:.1f} ms/step")
 
     def best_tail(self) -> str:
-        """The tail whose plain (ce_weight 0) top-K variants have the lowest mean held-out CE."""
+        """The tail whose plain (forward KL, ce_weight 0) top-K variants have the lowest mean held-out CE."""
         scores = {}
         for r in self.results["variants"].values():
-            if r["kind"] == "topk" and r["ce_weight"] == 0:
+            if r["kind"] == "topk" and r["ce_weight"] == 0 and r.get("divergence", "forward") == "forward":
                 scores.setdefault(r["tail"], []).append(r["heldout_ce"])
         if not scores:
             raise ValueError("a top{K}-best variant needs plain top-K variants to pick the tail from; name a tail")
@@ -918,6 +955,9 @@ def main(argv: list[str] | None = None) -> int:
                              "top{K}-{none|renorm|ghost|best}[-ce{W}], sampled[N]")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="autocast dtype of training and teacher passes (auto: bf16 on CUDA, fp32 on CPU)")
+    parser.add_argument("--divergence-ablation", action="store_true",
+                        help="add reverse KL and JSD (beta 0.5) to every top-100 and sampled variant of the run: "
+                             "the same cached support, another divergence")
     parser.add_argument("--resume", action="store_true",
                         help="continue a run stopped in --out (same settings): keeps its teacher, caches and "
                              "finished students")
@@ -928,6 +968,8 @@ def main(argv: list[str] | None = None) -> int:
     try:  # bad settings stop here, not after minutes of work
         for name in variants:
             parse_variant(name)
+        if args.divergence_ablation:
+            variants = with_divergence_ablation(variants)
         autocast_dtype(args.dtype, default_device())
         overrides = preset_overrides(args.set)
     except ValueError as e:
