@@ -37,6 +37,10 @@ class CacheBusyError(CacheError):
     """A partition another writer holds: the cache is fine, only not this process's to write now."""
 
 
+class CacheWriteError(CacheError):
+    """The writer cannot write (read-only store, permissions, a full disk): the cache may be fine."""
+
+
 def encode_topk(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(ids, logprobs) [..., K] -> (id_deltas uint32, codes uint16) [..., K]; validates the entries.
 

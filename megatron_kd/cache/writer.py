@@ -18,8 +18,8 @@ the store's completion records first, then its rows_done chunk, then the record 
 ``pending_samples`` lists them again and writing them restores the store; ``repaired_samples`` and
 ``repairs`` say what was un-marked and why, for the caller to report (the library prints nothing).
 
-Any OSError while writing (a read-only store, permissions, a full disk) is one CacheError naming
-the file.
+Any OSError while writing (a read-only store, permissions, a full disk) is one CacheWriteError (a
+CacheError) naming the file: the store may be fine, only not writable here.
 
 One writer per partition: the writer holds an exclusive flock on the partition's lock file until
 ``close``; a second writer on the same rank gets a CacheError. The OS drops the lock with the
@@ -40,7 +40,7 @@ import numpy as np
 import zarr
 
 from megatron_kd.cache.binding import PartitionBindings
-from megatron_kd.cache.codec import CacheBusyError, CacheError, encode_topk
+from megatron_kd.cache.codec import CacheBusyError, CacheError, CacheWriteError, encode_topk
 from megatron_kd.cache.meta import ATTR_KEY, METADATA_KEYS, MODES, CacheMeta
 from megatron_kd.cache.store import (
     ARRAYS,
@@ -67,12 +67,12 @@ _TEMP_SUFFIX = re.compile(r"(\.[0-9a-f]{32})?\.partial$")
 @contextmanager
 def _os_errors(where: Path):
     """An OSError inside (read-only store, permission, disk full, a file where a folder belongs) as
-    one CacheError naming the file it hit (``where`` when it names none)."""
+    one CacheWriteError naming the file it hit (``where`` when it names none)."""
     try:
         yield
     except OSError as e:
         file = _TEMP_SUFFIX.sub("", str(e.filename)) if e.filename else str(where)
-        raise CacheError(f"{file}: cannot write the cache ({e.strerror or e}); the writer needs write access and "
+        raise CacheWriteError(f"{file}: cannot write the cache ({e.strerror or e}); the writer needs write access and "
                          f"free space there") from None
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_kd.cache import CacheError, CacheReader, PartitionLayout
+from megatron_kd.cache import CacheError, CacheReader, CacheWriteError, PartitionLayout
 from megatron_kd.cache.inspect import inspect, verify
 from test_cache import _cli_error, _raises_naming, _tree_bytes, _writer, build, sample_data
 
@@ -224,6 +224,8 @@ def test_resume_rewrites_a_deleted_shard_of_an_incomplete_partition(templates, t
     assert w.close() is False
     name = str(np.random.default_rng(seed).choice(["ids", "logprobs"]))
     _shard(path, 1, name, 0).unlink()
+    summary = inspect(path, progress=False)  # inspect still works on an incomplete store
+    assert not summary["complete"] and summary["store_id"] == CacheReader(templates["this"]).meta.store_id
     repaired = _resume(path)
     assert repaired == {0: [], 1: first[:3].tolist()}
     assert _tree_bytes(path) == _tree_bytes(templates["this"])
@@ -331,7 +333,7 @@ def test_writer_on_a_read_only_store(templates, tmp_path, complete):
         if _running_as_root_can_write(path / "dp_00000"):
             pytest.skip("chmod does not stop this user (root) from writing; "
                         "test_writer_cannot_write_where_a_folder_is_a_file covers the error path")
-        with pytest.raises(CacheError) as info:
+        with pytest.raises(CacheWriteError) as info:
             _writer(path, 1)
         msg = str(info.value)
         assert "\n" not in msg and str(path) in msg and "cannot" in msg
@@ -345,7 +347,7 @@ def test_writer_cannot_write_where_a_folder_is_a_file(tmp_path):
     store's parent is a file; a partition's bindings folder is a file when a shard is flushed."""
     blocker = tmp_path / "file"
     blocker.write_bytes(b"")
-    with pytest.raises(CacheError) as info:
+    with pytest.raises(CacheWriteError) as info:
         _writer(blocker / "c", 0)
     assert "\n" not in str(info.value) and str(blocker) in str(info.value)
 
@@ -356,7 +358,7 @@ def test_writer_cannot_write_where_a_folder_is_a_file(tmp_path):
     bindings.write_bytes(b"")  # where the shard's record goes
     samples = _LAYOUT.samples_of(1)
     w.write(int(samples[0]), *sample_data(int(samples[0]), 0))
-    with pytest.raises(CacheError) as info:
+    with pytest.raises(CacheWriteError) as info:
         for s in samples[1:3]:  # the shard's last row: data, then the record, which cannot be written
             w.write(int(s), *sample_data(int(s), 0))
     msg = str(info.value)
