@@ -48,7 +48,7 @@ import torch
 
 from megatron_kd.errors import UserError
 from megatron_kd.optim import quantize
-from megatron_kd.optim.rounding import random_bits16, stochastic_round_bf16, stream_key
+from megatron_kd.optim.rounding import MAX_ELEMENTS, random_bits16, stochastic_round_bf16, stream_key
 
 ROUNDINGS = ("stochastic", "nearest")
 MOMENTS = ("8bit", "fp32")
@@ -117,26 +117,48 @@ def _qmap(signed: bool, device) -> torch.Tensor:
     return _QMAPS[key]
 
 
-def _read_moment(stored: torch.Tensor, signed: bool, start: int, end: int) -> torch.Tensor:
-    """fp32 values of elements [start, end) of a moment (start: a multiple of the block)."""
+def _moment_chunk(stored: torch.Tensor, start: int, end: int):
+    """Elements [start, end) of a stored moment (start: a multiple of the block): the fp32 slice, or
+    the (codes, scales) of its blocks."""
     if stored.dtype == torch.float32:
-        return stored[start:end].clone()
+        return stored[start:end]
     codes, scales = quantize.packed_views(stored)
     first, last = start // quantize.BLOCK, -(-end // quantize.BLOCK)
-    values = quantize.dequantize(codes[first * quantize.BLOCK:last * quantize.BLOCK], scales[first:last],
-                                 _qmap(signed, stored.device), end - start)
-    return values
+    return codes[first * quantize.BLOCK:last * quantize.BLOCK], scales[first:last]
 
 
-def _write_moment(stored: torch.Tensor, signed: bool, start: int, values: torch.Tensor) -> None:
-    if stored.dtype == torch.float32:
-        stored[start:start + values.numel()].copy_(values)
-        return
-    codes, scales = quantize.packed_views(stored)
-    new_codes, new_scales = quantize.quantize(values, _qmap(signed, stored.device))
-    codes[start:start + new_codes.numel()].copy_(new_codes)
-    first = start // quantize.BLOCK
-    scales[first:first + new_scales.numel()].copy_(new_scales)
+def _load(chunk, qmap: torch.Tensor, n: int) -> torch.Tensor:
+    """fp32 values of a moment chunk (a copy)."""
+    if isinstance(chunk, torch.Tensor):
+        return chunk.clone()
+    codes, scales = chunk
+    return quantize.dequantize(codes, scales, qmap, n)
+
+
+def _encode(chunk, qmap: torch.Tensor, values: torch.Tensor):
+    """What to store into a moment chunk: the fp32 values, or their (codes, scales)."""
+    return values if isinstance(chunk, torch.Tensor) else quantize.quantize(values, qmap)
+
+
+def _store(chunk, encoded) -> None:
+    if isinstance(chunk, torch.Tensor):
+        chunk.copy_(encoded)
+    else:
+        for target, value in zip(chunk, encoded):
+            target.copy_(value)
+
+
+def _chunk_step(param, grad, exp_avg, exp_avg_sq, qmap_signed, qmap_unsigned, *, key: tuple[int, int] | None,
+                offset: int, **hyper):
+    """One chunk's update, without side effects (one torch.compile graph on CUDA; the codes and
+    scales of a packed moment are views of one buffer, which compiled graphs may not write):
+    returns the new parameter values and the encoded moments."""
+    n = param.numel()
+    m, v = _load(exp_avg, qmap_signed, n), _load(exp_avg_sq, qmap_unsigned, n)
+    p32, m, v = _adam_chunk(param, grad, m, v, **hyper)
+    if key is not None:
+        p32 = stochastic_round_bf16(p32, random_bits16(key, offset, n, param.device))
+    return p32.to(param.dtype), _encode(exp_avg, qmap_signed, m), _encode(exp_avg_sq, qmap_unsigned, v)
 
 
 def _adam_chunk(param, grad, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
@@ -198,6 +220,8 @@ class Bf16Adam(torch.optim.Optimizer):
                     raise UserError(f"Bf16Adam updates bf16 or fp32 parameters, got {p.dtype}: train with --bf16")
                 if not p.is_contiguous():
                     raise UserError("Bf16Adam updates contiguous parameters only")
+                if p.numel() > MAX_ELEMENTS:
+                    raise UserError(f"Bf16Adam indexes a tensor's elements with 32 bits: {p.numel()} elements")
         self.adam_w_mode, self.rounding, self.moments, self.seed = adam_w_mode, rounding, moments, seed
         self.use_decoupled_grad = use_decoupled_grad
         self._origins = _TensorOrigins(self.param_groups, group_stream)
@@ -209,12 +233,12 @@ class Bf16Adam(torch.optim.Optimizer):
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         return getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
 
-    def _chunk_fn(self, device: torch.device):
+    def _step_fn(self, device: torch.device):
         use = self._compile if self._compile != "auto" else device.type == "cuda"
         if not use:
-            return _adam_chunk
+            return _chunk_step
         if self._compiled is None:
-            self._compiled = torch.compile(_adam_chunk, dynamic=True)
+            self._compiled = torch.compile(_chunk_step, dynamic=True)
         return self._compiled
 
     @torch.no_grad()
@@ -244,21 +268,21 @@ class Bf16Adam(torch.optim.Optimizer):
                      step_size=group["lr"] / (1 - beta1 ** t if correct else 1.0),
                      bias_correction2_sqrt=math.sqrt(1 - beta2 ** t) if correct else 1.0, adam_w_mode=self.adam_w_mode)
         stochastic = self.rounding == "stochastic" and p.dtype == torch.bfloat16
+        key, offset = None, 0
         if stochastic:
             index, stream, offset = self._origins.origin(p, group)
             key = stream_key(self.seed, stream, index, t)
         flat_p, flat_g = p.view(-1), grad.reshape(-1)
-        chunk_fn = self._chunk_fn(p.device)
+        step_fn = self._step_fn(p.device)
+        qmaps = _qmap(True, p.device), _qmap(False, p.device)
         for start in range(0, p.numel(), CHUNK):
             end = min(p.numel(), start + CHUNK)
-            m = _read_moment(state["exp_avg"], True, start, end)
-            v = _read_moment(state["exp_avg_sq"], False, start, end)
-            p32, m, v = chunk_fn(flat_p[start:end], flat_g[start:end], m, v, **hyper)
-            _write_moment(state["exp_avg"], True, start, m)
-            _write_moment(state["exp_avg_sq"], False, start, v)
-            if stochastic:
-                p32 = stochastic_round_bf16(p32, random_bits16(key, offset + start, end - start, p.device))
-            flat_p[start:end].copy_(p32)
+            m, v = _moment_chunk(state["exp_avg"], start, end), _moment_chunk(state["exp_avg_sq"], start, end)
+            new_p, new_m, new_v = step_fn(flat_p[start:end], flat_g[start:end], m, v, *qmaps, key=key,
+                                          offset=offset + start if stochastic else 0, **hyper)
+            _store(m, new_m)
+            _store(v, new_v)
+            flat_p[start:end].copy_(new_p)
 
     # -- Transformer Engine FusedAdam's state interface (megatron-core's precision-aware path) ------
 
@@ -272,6 +296,7 @@ class Bf16Adam(torch.optim.Optimizer):
             moments = {key: torch.zeros(n, dtype=torch.float32, device=device) for key in MOMENT_KEYS}
         self.state[param].update(moments, master_param=param)
 
+    @torch.no_grad()
     def get_unscaled_state(self, param: torch.Tensor, state_name: str) -> torch.Tensor:
         """An fp32 copy of ``state_name`` ("master_param", "exp_avg", "exp_avg_sq"), param's shape."""
         state = self.state[param]
@@ -281,8 +306,11 @@ class Bf16Adam(torch.optim.Optimizer):
             return param.detach().float()
         if state_name not in MOMENT_KEYS:
             raise KeyError(f"Bf16Adam has no state {state_name!r} (master_param, exp_avg, exp_avg_sq)")
-        return _read_moment(state[state_name], state_name == "exp_avg", 0, param.numel()).view(param.shape)
+        n = param.numel()
+        values = _load(_moment_chunk(state[state_name], 0, n), _qmap(state_name == "exp_avg", param.device), n)
+        return values.view(param.shape)
 
+    @torch.no_grad()
     def set_scaled_state(self, param: torch.Tensor, state_name: str, unscaled_state: torch.Tensor) -> None:
         """Store fp32 values into ``state_name``: a moment is quantized (the codes and scales it was
         exported from, bit for bit); ``"master_param"`` is copied into the parameter."""
@@ -295,7 +323,8 @@ class Bf16Adam(torch.optim.Optimizer):
         if state_name == "master_param":
             param.view(-1).copy_(values)
         elif state_name in MOMENT_KEYS:
-            _write_moment(state[state_name], state_name == "exp_avg", 0, values)
+            chunk = _moment_chunk(state[state_name], 0, param.numel())
+            _store(chunk, _encode(chunk, _qmap(state_name == "exp_avg", param.device), values))
         else:
             raise KeyError(f"Bf16Adam has no state {state_name!r} (master_param, exp_avg, exp_avg_sq)")
 

@@ -38,8 +38,9 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def stream_key(*words: int) -> int:
-    """A 64-bit key from non-negative integers (seed, tensor identity, step, ...), on the host."""
+def stream_key(*words: int) -> tuple[int, int]:
+    """A 64-bit key, as two 32-bit words, from non-negative integers (seed, tensor identity,
+    step, ...), on the host."""
     h1, h2 = 0x243F6A88, 0x85A308D3  # two independent chains (digits of pi)
     for w in words:
         if w < 0:
@@ -50,15 +51,16 @@ def stream_key(*words: int) -> int:
             w >>= 32
             if not w:
                 break
-    return (h1 << 32) | h2
+    return h1, h2
 
 
-def random_bits16(key: int, offset: int, numel: int, device: torch.device) -> torch.Tensor:
+MAX_ELEMENTS = 2**32  # elements are indexed with 32 bits
+
+
+def random_bits16(key: tuple[int, int], offset: int, numel: int, device: torch.device) -> torch.Tensor:
     """16 random bits (int32 in [0, 2^16)) for elements ``offset .. offset + numel - 1`` of the
-    stream ``key``."""
-    if offset + numel > 2**32:
-        raise ValueError("stochastic rounding indexes elements with 32 bits: tensor too large")
-    k1, k2 = key >> 32, key & _MASK32
+    stream ``key`` (``stream_key``'s 64 bits as two 32-bit words; offset + numel <= 2^32)."""
+    k1, k2 = key
     index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
     h = _mix32(_mix32((index + k1) & _MASK32) ^ k2)
     return (h >> 16).to(torch.int32)
