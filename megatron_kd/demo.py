@@ -119,16 +119,16 @@ def read_corpus(max_bytes: int) -> list[str]:
     from megatron_kd.errors import FlagError, UserError
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs, total, available = [], 0, 0
+    docs, total, available, full = [], 0, 0, False
     for path in sorted(stdlib.glob("*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
         if len(text) > 100_000:
             continue
-        available += 1
-        if total + len(text) > max_bytes and docs:
-            continue  # counted, to tell a small --corpus-bytes from missing sources
-        docs.append(text)
-        total += len(text)
+        available += 1  # counted past the budget too: a small --corpus-bytes is not missing sources
+        full = full or (total + len(text) > max_bytes and bool(docs))
+        if not full:  # the files in name order up to the first that does not fit
+            docs.append(text)
+            total += len(text)
     if available < MIN_FILES:
         raise UserError(f"found only {available} source files under {stdlib}; the demo needs the Python standard "
                         f"library's sources ({MIN_FILES} files at least)")
