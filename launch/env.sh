@@ -6,3 +6,31 @@ GPUS=${GPUS:-$("$PY" -c 'import torch; print(max(torch.cuda.device_count(), 1))'
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # asynchronous NCCL errors end the job instead of hanging it
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# what torchrun sets when it is unset, without its banner saying so
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# torchrun (torch.distributed.run), quiet about what the ranks report themselves: when the first rank
+# to fail stopped on a user mistake (exit status 2, its one line printed), torchrun's failure report
+# and its "Sending process ... closing signal" notices are left out and it exits 2. Any other
+# failure keeps torchrun's report; MEGATRON_KD_VERBOSE=1 or --verbose keeps everything.
+read -r -d '' _TORCHRUN_PY <<'PY' || true
+import logging, os, sys
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+
+class Routine(logging.Filter):
+    def filter(self, record):
+        text = record.getMessage()
+        return not ((text.startswith("Sending process ") and "closing signal" in text)
+                    or text.startswith("failed (exitcode: 2)"))
+
+verbose = os.environ.get("MEGATRON_KD_VERBOSE", "") not in ("", "0") or "--verbose" in sys.argv
+if not verbose:
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(Routine())
+try:
+    main()
+except ChildFailedError as e:
+    if verbose or e.get_first_failure()[1].exitcode != 2:
+        raise
+    sys.exit(2)
+PY
+TORCHRUN=("$PY" -c "$_TORCHRUN_PY")

@@ -16,7 +16,8 @@ Megatron-LM's validation, that the machine has CUDA) before any work.
 ``megatron-kd --verbose <command>`` (or ``MEGATRON_KD_VERBOSE=1``) shows what the console filters
 (``megatron_kd/console.py``): third-party notices, and the stdout of ranks other than 0 under
 torchrun. Checks that run before any work are the same on every rank, so only rank 0 reports
-their mistakes; later errors are reported by each rank that meets them, naming the rank.
+their mistakes (every rank with --verbose); later errors are reported by each rank that meets
+them, naming the rank.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (CacheError, UserError) as e:
         rank = console.rank()
-        if rank == 0 or not checking:
+        if rank == 0 or not checking or console.is_verbose(verbose):
             where = "" if rank == 0 else f" (rank {rank})"
             print(f"megatron-kd: error{where}: {' '.join(str(e).splitlines())}", file=sys.stderr, flush=True)
         return 2

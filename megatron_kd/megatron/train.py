@@ -258,8 +258,8 @@ def check_megatron_run(argv: list[str], command: str, args_defaults: dict | None
         with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             validate_args(parse_args(extra_args_provider=add_kd_args), megatron_defaults(flags, args_defaults))
-    except AssertionError as e:
-        raise FlagError(f"Megatron-LM rejected the arguments: {_assertion_text(e)}") from None
+    except (AssertionError, ValueError) as e:
+        raise FlagError(f"Megatron-LM rejected the arguments: {_validation_text(e)}") from None
     except RuntimeError as e:
         if torch.cuda.is_available() or not _raised_by_cuda(e):
             raise
@@ -270,8 +270,8 @@ def check_megatron_run(argv: list[str], command: str, args_defaults: dict | None
     return flags
 
 
-def _assertion_text(e: AssertionError) -> str:
-    """Megatron-LM's validation: the message, else the failing check itself."""
+def _validation_text(e: Exception) -> str:
+    """Megatron-LM's validation (asserts, ValueErrors): the message, else the failing check itself."""
     return " ".join(str(e).split()) or traceback.extract_tb(e.__traceback__)[-1].line
 
 
@@ -289,8 +289,8 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
     hf_dir = hf_tokenizer_dir(flags)
     try:
         args = parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults=megatron_defaults(flags, args_defaults))
-    except AssertionError as e:
-        raise FlagError(f"Megatron-LM rejected the arguments: {_assertion_text(e)}") from None
+    except (AssertionError, ValueError) as e:
+        raise FlagError(f"Megatron-LM rejected the arguments: {_validation_text(e)}") from None
     hf_rows = hf_vocab_rows(hf_dir) if hf_dir else 0
     if args.padded_vocab_size < hf_rows:
         # the checkpoint's embedding has more rows than the tokenizer has tokens (GPT-OSS: 201,088 rows):
