@@ -62,6 +62,7 @@ IMPLIED_FLAGS = {
 CONFLICTING_FLAGS = {
     "bf16-sr-8bit": {
         "--fp16": "it updates bf16 weights",
+        "--fp8-param-gather": "it updates bf16 weights (fp8 parameters have no bf16 shard to update)",
         "--accumulate-allreduce-grads-in-fp32": "it keeps bf16 gradients",
         "--optimizer-cpu-offload": "its state stays on the GPUs (Megatron's offload runs torch's fp32 Adam)",
         "--main-params-dtype": "it keeps no master copy",
