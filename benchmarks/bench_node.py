@@ -34,7 +34,8 @@ Memory layout and optimizer, passed to Megatron-LM (the recipe's own recompute f
   --recompute-modules moe_act,...   Megatron's --recompute-modules (moe_act: the experts' activation,
                  which megatron_kd's experts also honour under block recompute for the other layers)
   --offload-modules expert_fc1,...  --fine-grained-activation-offloading (needs Transformer Engine)
-  --optimizer fused   torch's fused AdamW (``--kd-fused-adam``) instead of the multi-tensor one
+  --optimizer fused   torch's fused AdamW (``--kd-fused-adam``) instead of the multi-tensor one;
+                 bf16-sr-8bit: ``--kd-optimizer bf16-sr-8bit`` (bf16 weights, 8-bit moments)
   --extra "<flags>"   any other Megatron-LM / --kd-* flags
   --also "<options>"  one more configuration in the same call: losses, layout, optimizer and label
                  options over their defaults (the model, data and --out are this call's)
@@ -85,7 +86,8 @@ VOCAB = 201088  # GPT-OSS's embedding rows; NullTokenizer ids 0..201086, end-of-
 TEACHER_HIDDEN = 64
 TEACHER_LOGIT_STD = 5.5  # Gaussian logits over 201,088 ids: top-1 p ~0.4, top-100 mass ~0.93
 LOSSES = ("fused", "ce", "fused-ce", "dense")
-OPTIMIZERS = ("megatron", "fused")
+# --optimizer: the flags of each choice (megatron: what megatron-core builds from its own flags)
+OPTIMIZER_FLAGS = {"megatron": [], "fused": ["--kd-fused-adam"], "bf16-sr-8bit": ["--kd-optimizer", "bf16-sr-8bit"]}
 # the recipe's recompute flags, replaced by --recompute (flag -> number of values it takes)
 RECIPE_RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1}
 # options that fix the model, the data and the cache: the call's, for every configuration of it
@@ -117,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", type=recompute_choice, default="full")
     p.add_argument("--recompute-modules", type=module_list, default=None)
     p.add_argument("--offload-modules", type=module_list, default=None)
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="megatron")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZER_FLAGS), default="megatron")
     p.add_argument("--extra", default="", help="more Megatron-LM / --kd-* flags, one string")
     p.add_argument("--label", default=None, help="name of this configuration in results (default: what differs)")
     p.add_argument("--memory-snapshot", action="store_true")
@@ -263,9 +265,7 @@ def layout_flags(opts) -> list[str]:
             flags.append("--moe-grouped-gemm")
     if opts.offload_modules:
         flags += ["--fine-grained-activation-offloading", "--offload-modules", *opts.offload_modules]
-    if opts.optimizer == "fused":
-        flags.append("--kd-fused-adam")
-    return flags + shlex.split(opts.extra)
+    return flags + OPTIMIZER_FLAGS[opts.optimizer] + shlex.split(opts.extra)
 
 
 def write_data(opts) -> str:

@@ -14,7 +14,8 @@ duration of each call ``torch.optim.AdamW`` / ``torch.optim.Adam`` are subclasse
 (CUDA; CPU in torch >= 2.4, which the tests use). Everything else megatron-core does with the
 optimizer (its wrappers, the distributed optimizer's ``isinstance`` checks, checkpoints) sees an
 ordinary ``torch.optim.AdamW``. Opt-in (``--kd-fused-adam``), idempotent, logged; a no-op when TE or
-Apex provides megatron-core's ``FusedAdam``. The optimizer's parameter groups carry torch's
+Apex provides megatron-core's ``FusedAdam`` or ``megatron_kd.optim`` replaced megatron-core's Adam
+(``--kd-optimizer``: then ``USING_PYTORCH_OPTIMIZER`` is False too). The optimizer's parameter groups carry torch's
 ``fused`` key, and torch's ``load_state_dict`` restores a checkpoint's groups as saved: a run resumed
 from a checkpoint written without the flag keeps the multi-tensor update.
 """
@@ -72,8 +73,8 @@ def use_fused_torch_adamw() -> bool:
     import megatron.core.optimizer as mcore_optimizer
 
     if not mcore_optimizer.USING_PYTORCH_OPTIMIZER:
-        logger.info("megatron_kd: --kd-fused-adam has no effect: megatron-core uses Transformer Engine's or "
-                    "Apex's FusedAdam")
+        logger.info("megatron_kd: torch's fused AdamW not installed: megatron-core does not build torch's AdamW "
+                    "here (Transformer Engine's or Apex's FusedAdam, or another --kd-optimizer, is in use)")
         return False
     builder = mcore_optimizer._get_megatron_optimizer_based_on_param_groups
     if getattr(builder, "megatron_kd_fused_adamw", False):
