@@ -15,9 +15,9 @@ duration of each call ``torch.optim.AdamW`` / ``torch.optim.Adam`` are subclasse
 optimizer (its wrappers, the distributed optimizer's ``isinstance`` checks, checkpoints) sees an
 ordinary ``torch.optim.AdamW``. Opt-in (``--kd-fused-adam``), idempotent, logged; a no-op when TE or
 Apex provides megatron-core's ``FusedAdam`` or ``megatron_kd.optim`` replaced megatron-core's Adam
-(``--kd-optimizer``: then ``USING_PYTORCH_OPTIMIZER`` is False too). The optimizer's parameter groups carry torch's
-``fused`` key, and torch's ``load_state_dict`` restores a checkpoint's groups as saved: a run resumed
-from a checkpoint written without the flag keeps the multi-tensor update.
+(``--kd-optimizer``: then ``USING_PYTORCH_OPTIMIZER`` is False too). The optimizer's parameter
+groups carry torch's ``fused`` key, and torch's ``load_state_dict`` restores a checkpoint's groups
+as saved: a run resumed from a checkpoint written without the flag keeps the multi-tensor update.
 """
 
 from __future__ import annotations
