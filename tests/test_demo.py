@@ -24,9 +24,9 @@ from megatron_kd.cache import CacheBusyError, CacheWriter
 from megatron_kd.demo import DemoConfig, check_memory, estimate_peak_bytes, open_cache_writer, run_demo
 from megatron_kd.errors import FlagError
 
-# a few seconds per run on 2 CPU cores: a few steps of one-layer models (evaluation reads the whole
-# held-out split, ~5,900 tokens of 600 KB: large micro-batches make it few calls)
-TINY = dict(seq_length=64, micro_batch_size=8, corpus_bytes=600_000, teacher_layers=1, teacher_hidden=32,
+# a few seconds per run on 2 CPU cores: a few steps of one-layer models. Evaluation reads the whole
+# held-out split: 545 KB is 24 files, whose last (5% of the files, by name) is 3,423 tokens
+TINY = dict(seq_length=64, micro_batch_size=8, corpus_bytes=545_000, teacher_layers=1, teacher_hidden=32,
             student_layers=1, student_hidden=16, heads=2, teacher_steps=4, student_steps=4, eval_samples=8,
             topk=8, log_interval=2)
 
@@ -87,10 +87,10 @@ def test_a_workdir_that_is_a_file_is_refused(tmp_path):
 
 def test_a_corpus_too_small_for_the_samples_is_refused(tmp_path):
     work = tmp_path / "demo"
-    # 600 KB: 29 files, the held-out split (5% of them: 1 file) holds about 90 samples of 64 tokens
-    _refused_before_any_work(_tiny(work, eval_samples=5000), r"gives \d+ held-out samples, --eval-samples asks 5000")
-    _refused_before_any_work(_tiny(work, seq_length=20_000, eval_samples=1, micro_batch_size=1),
-                             "gives 1 held-out samples, --eval-samples asks 1|gives 0 held-out samples")
+    # the held-out split (1 file of 3,423 tokens) holds 53 samples of 64 tokens, none of 5,000
+    _refused_before_any_work(_tiny(work, eval_samples=5000), "gives 53 held-out samples, --eval-samples asks 5000")
+    _refused_before_any_work(_tiny(work, seq_length=5000, eval_samples=1, micro_batch_size=1),
+                             "gives 0 held-out samples, --eval-samples asks 1")
     _refused_before_any_work(_tiny(work, corpus_bytes=1000), "--corpus-bytes 1000 holds 1 standard-library files")
     assert not work.exists()
 
@@ -134,7 +134,7 @@ def test_memory_estimate_bounds_a_measured_peak(tmp_path):
     its peak resident memory is below the estimate and above 1/1.6 of it."""
     settings = {**TINY, "workdir": str(tmp_path / "demo"), "seq_length": 1024, "micro_batch_size": 4,
                 "teacher_layers": 4, "teacher_hidden": 128, "heads": 4, "teacher_steps": 1, "student_steps": 1,
-                "eval_samples": 4}
+                "eval_samples": 2}
     proc = subprocess.run([sys.executable, "-c", _PEAK_CHILD.format(), json.dumps(settings)], capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
