@@ -34,8 +34,9 @@ what Megatron-LM computes with ``--reset-position-ids`` alone); "documents+posit
 at each EOD token (its label is the next document's first token), as Megatron-LM defines it.
 
 Not supported with packing (``check_packing_flags``, one line each): context parallelism (the
-documents would have to be split with the sequence) and more than two pipeline stages (middle
-stages read no batch to find the boundaries in).
+documents would have to be split with the sequence), more than two pipeline stages (middle
+stages read no batch to find the boundaries in), and under THD pipeline stages with micro-batches
+of more than one sample (the stages exchange [s, b, h] activations).
 """
 
 from __future__ import annotations
@@ -78,13 +79,12 @@ class Documents:
         self.starts = starts
         b, s = starts.shape
         self.positions = torch.arange(s, device=starts.device).expand(b, s) - starts  # int64 [b, s]
-        flat_begins = (self.positions == 0).flatten()
-        ends = flat_begins.cumsum(0)  # documents begun up to each token
+        begun = (self.positions == 0).flatten().cumsum(0)  # documents begun up to each flattened token
         # entry i < n: the first token of document i (the first token at which i + 1 have begun);
         # entries n .. b·s: b·s, so [:n + 1] is cu_seqlens once n is known on the host
         self._cu_seqlens = torch.searchsorted(
-            ends, torch.arange(1, b * s + 2, device=starts.device)).to(torch.int32)
-        self._counts = HostCopy(torch.stack([ends[-1], self.positions.max() + 1]))
+            begun, torch.arange(1, b * s + 2, device=starts.device)).to(torch.int32)
+        self._counts = HostCopy(torch.stack([begun[-1], self.positions.max() + 1]))
         self._memo = {}
 
     @classmethod
@@ -179,7 +179,8 @@ class DocumentPacking:
 
     def apply(self, batch: dict) -> tuple[dict, PackedSeqParams | None]:
         """(batch, packed_seq_params) for ``GPTModel.forward``: the batch as is and None without
-        packing; the batch as is and ``PackedDocuments`` for the local spec; under THD every
+        packing; for the local spec the batch (its "position_ids" per document when positions
+        restart: what learned absolute embeddings read) and ``PackedDocuments``; under THD every
         [b, s, ...] tensor of the batch as [1, b·s, ...] (positions per document) and THD params."""
         if self.mode == "none":
             return batch, None
@@ -187,6 +188,8 @@ class DocumentPacking:
         b, s = tokens.shape
         documents = self.documents_of(tokens)
         if not self.thd:
+            if self.positions:
+                batch = {**batch, "position_ids": documents.positions}
             return batch, PackedDocuments(qkv_format="sbhd", max_seqlen_q=s, max_seqlen_kv=s,
                                           documents=documents if self.documents else None,
                                           position_ids=documents.positions if self.positions else None)
@@ -212,6 +215,11 @@ def check_packing_flags(args) -> None:
     if pp > 2:
         raise FlagError(f"{packing.flags()} with --pipeline-model-parallel-size {pp}: middle pipeline stages read no "
                         f"batch to find the document boundaries in; use at most 2 pipeline stages")
+    mbs = getattr(args, "micro_batch_size", 1) or 1
+    if packing.thd and pp > 1 and mbs > 1:
+        raise FlagError(f"{packing.flags()} with Transformer Engine, --pipeline-model-parallel-size {pp} and "
+                        f"--micro-batch-size {mbs}: pipeline stages exchange [s, b, h] activations, THD's are "
+                        f"[b·s, 1, h]; use --micro-batch-size 1")
     if packing.positions and not packing.thd and getattr(args, "position_embedding_type", "rope") == "rope" \
             and getattr(args, "apply_rope_fusion", False):
         raise FlagError(f"{packing.flags()} with rope fusion: the local spec restarts positions through "

@@ -312,7 +312,10 @@ def test_modes_and_params():
         packing = DocumentPacking(documents=documents, positions=positions, eod=EOD)
         assert packing.mode == mode
         same, params = packing.apply(batch)
-        assert same is batch and isinstance(params, PackedDocuments) and params.qkv_format == "sbhd"
+        assert isinstance(params, PackedDocuments) and params.qkv_format == "sbhd"
+        assert same.keys() == batch.keys() and all(torch.equal(same[key], batch[key]) for key in batch
+                                                   if key != "position_ids")
+        assert torch.equal(same["position_ids"], params.position_ids if positions else batch["position_ids"])
         assert params.max_seqlen_q == params.max_seqlen_kv == 8  # megatron-core's rotary table length
         assert (params.documents is not None) == documents and (params.position_ids is not None) == positions
     flat, thd = DocumentPacking(documents=True, positions=True, eod=EOD, thd=True).apply(batch)
@@ -328,12 +331,13 @@ def test_modes_and_params():
         DocumentPacking(documents=True)
 
 
-def test_flag_refusals():
+def test_flag_refusals(monkeypatch):
     from types import SimpleNamespace
 
     def flags(**kw):
         base = dict(reset_attention_mask=True, reset_position_ids=True, transformer_impl="local",
-                    context_parallel_size=1, pipeline_model_parallel_size=1, apply_rope_fusion=False)
+                    context_parallel_size=1, pipeline_model_parallel_size=1, apply_rope_fusion=False,
+                    micro_batch_size=2)
         return SimpleNamespace(**{**base, **kw})
 
     check_packing_flags(flags())
@@ -344,6 +348,16 @@ def test_flag_refusals():
         check_packing_flags(flags(reset_attention_mask=False, pipeline_model_parallel_size=3))
     with pytest.raises(FlagError, match="--reset-position-ids with rope fusion"):
         check_packing_flags(flags(apply_rope_fusion=True))
+    check_packing_flags(flags(pipeline_model_parallel_size=2))
+    with monkeypatch.context() as m:  # a machine with Transformer Engine
+        m.setattr("megatron_kd.models.gpt.have_transformer_engine", lambda: True)
+        te = dict(transformer_impl="transformer_engine", pipeline_model_parallel_size=2)
+        check_packing_flags(flags(**te, micro_batch_size=1, apply_rope_fusion=True))
+        with pytest.raises(FlagError, match="Transformer Engine, --pipeline-model-parallel-size 2 and "
+                                            "--micro-batch-size 2"):
+            check_packing_flags(flags(**te))
+        with pytest.raises(FlagError, match="--reset-attention-mask with Transformer Engine.*pass both"):
+            check_packing_flags(flags(**te, reset_position_ids=False))
 
 
 def test_core_attention_refusals():
