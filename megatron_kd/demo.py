@@ -391,14 +391,14 @@ def start_cache_again(cache: Path) -> None:
 
 def open_cache_writer(cache: Path, *, log=print, **params):
     """The demo's cache writer. A cache left by other settings (another teacher) or one that cannot
-    be opened is started again, said in one line; one that another demo is writing right now is
-    left alone (CacheBusyError)."""
-    from megatron_kd.cache import CacheBusyError, CacheError, CacheWriter
+    be opened is started again, said in one line; one that another demo is writing right now
+    (CacheBusyError) or that cannot be written here (CacheWriteError: it may be fine) is left alone."""
+    from megatron_kd.cache import CacheBusyError, CacheError, CacheWriteError, CacheWriter
 
     cache = Path(cache)
     try:
         return CacheWriter(cache, **params)
-    except CacheBusyError:
+    except (CacheBusyError, CacheWriteError):
         raise
     except CacheError as e:
         start_cache_again(cache)

@@ -175,6 +175,27 @@ def test_demo_keeps_a_cache_another_writer_holds(tmp_path, seed):
     assert len(lines) == 1 and "cannot be resumed" in lines[0] and "building it again" in lines[0], lines
 
 
+def test_demo_keeps_a_cache_it_cannot_write(tmp_path, monkeypatch):
+    """A store that is not writable here (CacheWriteError: a read-only mount, a full disk) may be
+    fine: the demo stops with that one line and deletes nothing."""
+    import megatron_kd.cache as cache_module
+    from megatron_kd.cache import CacheWriteError
+
+    path = tmp_path / "c"
+    with CacheWriter(path, **_PARAMS) as writer:
+        for s in writer.pending_samples():
+            writer.write(int(s), *teacher_topk(SEQ, VOCAB, K))
+    before = _tree_bytes(path)
+
+    def not_writable(store, **_):  # what the writer raises on EROFS / ENOSPC (root ignores chmod here)
+        raise CacheWriteError(f"{store}/zarr.json: cannot write the cache (Read-only file system)")
+
+    monkeypatch.setattr(cache_module, "CacheWriter", not_writable)
+    with pytest.raises(CacheWriteError, match="Read-only file system"):
+        open_cache_writer(path, log=lambda _: None, **_PARAMS)
+    assert _tree_bytes(path) == before
+
+
 def _results(work):
     return json.loads((work / "results.json").read_text())
 
