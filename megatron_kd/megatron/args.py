@@ -173,6 +173,10 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--kd-op-impl", choices=IMPLS, default="auto",
                        help="Implementation of the fused op: 'triton' (CUDA kernels), 'torch' (plain torch), "
                             "'auto' (Triton on CUDA, torch on CPU).")
+    group.add_argument("--kd-fused-adam", action="store_true",
+                       help="Without Transformer Engine or Apex, megatron-core's Adam is torch.optim.AdamW with its "
+                            "default multi-tensor update; this builds it with fused=True (one kernel per group of "
+                            "tensors, the same fp32 arithmetic). No effect where TE's or Apex's FusedAdam is installed.")
     # teacher pass (megatron-kd cache build)
     group.add_argument("--kd-topk", type=int, default=100,
                        help="Entries per token stored by the teacher pass (K, >= 1).")

@@ -41,10 +41,30 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training import get_args
 
     args = get_args()
+    if args.record_memory_history:
+        start_allocator_history(args)
     model = gpt_model_from_args(args, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
     if args.kd_student_hf and not has_checkpoint(args.load):
         init_from_hf(model, args.kd_student_hf, args)
     return model
+
+
+_ALLOCATOR_HISTORY = []
+
+
+def start_allocator_history(args) -> None:
+    """``--record-memory-history``: megatron-core 0.19 starts the CUDA allocator's history (the call
+    sites in the snapshots it dumps) only when it builds the model from a ModelConfig; with a model
+    provider, ours, its snapshots hold no call sites. The same call, once per process, before the
+    model's first allocation (this rank's device is set by then)."""
+    if _ALLOCATOR_HISTORY:
+        return
+    from megatron.training.config import ProfilingConfig
+    from megatron.training.utils import start_memory_history_recording
+
+    start_memory_history_recording(ProfilingConfig(record_memory_history=True, profile_ranks=args.profile_ranks,
+                                                   memory_snapshot_path=args.memory_snapshot_path))
+    _ALLOCATOR_HISTORY.append(True)
 
 
 def gpt_dataset_config(args, tokenizer):
@@ -307,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_megatron_args(argv)
     require_cuda("train")  # before Megatron's initialization asserts it
+    if args.kd_fused_adam:
+        from megatron_kd.megatron.optimizer import use_fused_torch_adamw
+
+        use_fused_torch_adamw()
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
              forward_step, model_provider=partial(model_provider))
 
