@@ -138,6 +138,8 @@ def _our_run(v: Variant, args, tokens, labels):
     from megatron_kd.megatron.train import model_provider
 
     module = model_provider()
+    if tokens.is_cuda:  # megatron.training's get_model moves the model to the GPU; torch norms start on the CPU
+        module.cuda(tokens.device)
     model = Float16Module(module.config, module) if v.dtype == torch.bfloat16 else module
     model.train()
     positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
