@@ -72,11 +72,12 @@ class Setup:
 
 SETUPS = {
     # 2 CPU cores: the fidelity CPU preset, 300 distillation steps of 16 x 128 tokens per arm
-    "cpu": Setup(fidelity=dict(student_steps=300, eval_samples=64), warm_steps=200, micro_batches=4, topk=32),
-    # one H200: a 12 x 768 teacher for 500 steps (~80 s), 6 x 384 students, 400 steps of 16 x 1024
-    # tokens per arm (~30 ms each: ~2 min for the ten runs), top-100 over the 32K BPE vocabulary
-    "gpu": Setup(fidelity=dict(teacher_steps=500, teacher_eval_interval=250, student_steps=400, micro_batch_size=16,
-                               eval_samples=128), warm_steps=400, micro_batches=2, topk=100),
+    "cpu": Setup(fidelity=dict(student_steps=300, eval_samples=64), warm_steps=60, micro_batches=4, topk=100),
+    # one H200: a 12 x 768 teacher for 500 steps (~80 s), 6 x 384 students from 200 cross-entropy
+    # steps, 300 distillation steps of 16 x 1024 tokens per arm (2 micro-batches), top-100 of the 32K
+    # BPE vocabulary (estimated from bench_fidelity's H200 timings, 2026-11-30: ~5 min in all)
+    "gpu": Setup(fidelity=dict(teacher_steps=500, teacher_eval_interval=250, student_steps=300, micro_batch_size=16,
+                               eval_samples=128), warm_steps=200, micro_batches=2, topk=100),
 }
 
 
@@ -125,8 +126,11 @@ class OptimizerBench:
     def log(self, message):
         self.bench.log(message)
 
-    def prepare(self):
-        """Corpus, teacher, cache (bench_fidelity), then the pretrained student every arm starts from."""
+    def prepare(self, resume: bool = False):
+        """Corpus, teacher, cache (bench_fidelity; ``resume``: those a stopped run with the same preset
+        left in OUT/work), then the pretrained student every arm starts from."""
+        if resume:
+            self.bench.resume()
         self.bench.work.mkdir(parents=True, exist_ok=True)
         self.bench.build_data()
         self.bench.train_teacher()
@@ -219,8 +223,8 @@ class OptimizerBench:
         return {"heldout_ce": metrics["ce"], "heldout_kl": metrics["kl"], "curve": curve, "skipped_steps": skipped,
                 "seconds_per_step": seconds / steps, "optimizer_state_bytes_per_param": _state_bytes(optimizer) / params}
 
-    def run(self) -> dict:
-        self.prepare()
+    def run(self, resume: bool = False) -> dict:
+        self.prepare(resume)
         for lr in self.lrs:
             runs = self.results["runs"].setdefault(f"{lr:g}", {})
             for arm in self.arms:
@@ -269,14 +273,18 @@ def write_markdown(results: dict, path: Path):
               f"(held-out CE {start:.4f}), then {results['preset']['student_steps']} distillation steps "
               f"({results['variant']}, recipe settings {results['recipe']}) per arm and learning rate; teacher "
               f"held-out CE {results['teacher']['heldout_ce']:.4f}."), "",
-             "| lr | arm | state B/param | held-out CE | vs megatron | gain from start | held-out KL | skipped | s/step |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             ("Gain from start: held-out CE reduction since the start; its ratio to megatron's says how much of "
+              "megatron's training the arm reproduces (a weight that never moves scores 0)."), "",
+             "| lr | arm | state B/param | held-out CE | vs megatron | gain from start | gain / megatron's | "
+             "held-out KL | skipped | s/step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for lr, runs in results["runs"].items():
         ref = runs.get(REFERENCE, {}).get("heldout_ce")
         for arm, r in runs.items():
             vs = "" if ref is None else f"{r['heldout_ce'] / ref - 1:+.3%}"
+            share = "" if ref is None or ref == start else f"{(start - r['heldout_ce']) / (start - ref):.2f}"
             lines.append(f"| {lr} | {arm} | {r['optimizer_state_bytes_per_param']:.2f} | {r['heldout_ce']:.4f} | {vs} | "
-                         f"{1 - r['heldout_ce'] / start:+.3%} | {r['heldout_kl']:.4f} | {r['skipped_steps']} | "
+                         f"{1 - r['heldout_ce'] / start:+.3%} | {share} | {r['heldout_kl']:.4f} | {r['skipped_steps']} | "
                          f"{r['seconds_per_step']:.3f} |")
     g = results["goal"]
     lines += ["", f"- Goal: {g['arm']} within {g['goal']:.1%} of {g['reference']} in held-out CE at every lr: "
@@ -317,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--lrs", default=",".join(f"{lr:g}" for lr in LRS), help="comma-separated learning rates")
     parser.add_argument("--warm-steps", type=int, default=None, help="cross-entropy steps of the starting student")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the tokenizer, teacher and caches a stopped run left in --out (same settings)")
+    parser.add_argument("--keep-work", action="store_true", help="keep OUT/work (datasets, teacher, caches)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                         help="change one bench_fidelity preset field, e.g. --set student_steps=100")
     args = parser.parse_args(argv)
@@ -338,15 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     bench = OptimizerBench(args.size, out, lrs, arms, lambda m: print(m, flush=True), overrides,
                            warm_steps=args.warm_steps)
     _init_process(device, bench.preset.seed)
-    results = bench.run()
+    results = bench.run(resume=args.resume)
     bench.bench.tb.close()
     (out / "results.json").write_text(json.dumps(results, indent=1))
     write_markdown(results, out / "results.md")
     plot(results, out / "curves.png")
-    import shutil
+    if not args.keep_work:
+        import shutil
 
-    shutil.rmtree(bench.bench.work, ignore_errors=True)
-    (out / "results.partial.json").unlink(missing_ok=True)  # bench_fidelity's stage record
+        shutil.rmtree(bench.bench.work, ignore_errors=True)
+        (out / "results.partial.json").unlink(missing_ok=True)  # bench_fidelity's stage record
     print((out / "results.md").read_text())
     return 0 if results["goal"]["met"] else 1
 

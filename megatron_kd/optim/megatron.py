@@ -68,6 +68,7 @@ CONFLICTING_FLAGS = {
         "--main-params-dtype": "it keeps no master copy",
         "--optimizer-cuda-graph": "it does not run inside a CUDA graph",
         "--use-megatron-fsdp": "it runs under Megatron's distributed optimizer",
+        "--kd-fused-adam": "it is not torch's AdamW (which --kd-fused-adam builds with fused=True)",
     },
 }
 
