@@ -41,13 +41,14 @@ class CacheWriteError(CacheError):
     """The writer cannot write (read-only store, permissions, a full disk): the cache may be fine."""
 
 
-def encode_topk(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(ids, logprobs) [..., K] -> (id_deltas uint32, codes uint16) [..., K]; validates the entries.
+def sorted_entries(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, logprobs) [..., K] -> (ids int64, logprobs float32, valid bool) [..., K] with each
+    token's valid entries sorted by id and padding last; validates the entries.
 
     Padding is id -1 or log-prob -inf. Raises CacheError for ids outside [-1, vocab_size), ids
-    repeated within a token, NaN / +inf / positive log-probs. Tensors are encoded on their own
+    repeated within a token, NaN / +inf / positive log-probs. Tensors are sorted on their own
     device (a teacher pass hands over CUDA tensors: the per-token sort then costs the GPU a few
-    microseconds instead of the writer's CPU most of its time); only the codes come to the host.
+    microseconds instead of the writer's CPU most of its time).
     """
     ids = ids.detach() if torch.is_tensor(ids) else torch.from_numpy(np.asarray(ids))
     lps = logprobs.detach().float() if torch.is_tensor(logprobs) else torch.from_numpy(np.asarray(logprobs, np.float32))
@@ -81,15 +82,27 @@ def encode_topk(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[np.
         if dup:
             tok = torch.nonzero(repeated)[0][:-1].tolist()
             raise CacheError(f"{where}topk_ids repeats an id within token {tuple(tok)}")
+    sorted_ids = torch.where(sorted_valid, sorted_ids, -1)
+    sorted_lps = torch.where(sorted_valid, sorted_lps, -np.inf)
+    return sorted_ids, sorted_lps, sorted_valid
 
+
+def logprob_codes(sorted_lps: torch.Tensor) -> torch.Tensor:
+    """int32 fixed-point codes round(-logprob · LOGPROB_SCALE) in [0, MAX_CODE] (round half to even,
+    as numpy's rint); padding (-inf) gives MAX_CODE, so mask it."""
+    return torch.round(-sorted_lps.double() * LOGPROB_SCALE).clamp_(0, MAX_CODE).to(torch.int32)
+
+
+def encode_topk(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(ids, logprobs) [..., K] -> (id_deltas uint32, codes uint16) [..., K] of the topk-v1 encoding;
+    validates the entries (``sorted_entries``). Only the codes come to the host."""
+    sorted_ids, sorted_lps, sorted_valid = sorted_entries(ids, logprobs, vocab_size, where=where)
     # running sums of these give the sorted ids, then -1 from the first padding entry on
     prev = torch.cat([torch.zeros_like(sorted_ids[..., :1]), sorted_ids[..., :-1]], -1)
     prev_valid = torch.cat([torch.ones_like(sorted_valid[..., :1]), sorted_valid[..., :-1]], -1)
     first_pad = ~sorted_valid & prev_valid
     deltas = torch.where(sorted_valid, sorted_ids - prev, torch.where(first_pad, -1 - prev, 0))
-    # round half to even, as numpy's rint
-    codes = torch.round(-sorted_lps.double() * LOGPROB_SCALE).clamp_(0, MAX_CODE).to(torch.int32)
-    codes = torch.where(sorted_valid, codes, PAD_CODE)
+    codes = torch.where(sorted_valid, logprob_codes(sorted_lps), PAD_CODE)
     return deltas.cpu().numpy().astype(np.uint32), codes.cpu().numpy().astype(np.uint16)
 
 

@@ -19,7 +19,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
-from megatron_kd.cache.codec import LOGPROB_SCALE, PAD_CODE, CacheError
+from megatron_kd.cache.codec import CacheError
+from megatron_kd.cache.encodings import CODECS, SAMPLED_COUNTS_V1, TOPK_V1, codec_of, encoding_field
 from megatron_kd.cache.layout import PartitionLayout
 
 # 2: shard binding records and store_id (a version-1 store has neither and is refused)
@@ -29,13 +30,8 @@ MODES = ("topk", "sampled")
 FINGERPRINTS = ("teacher_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint")
 # Keys a writer's ``metadata`` may set; anything else belongs under "extra".
 METADATA_KEYS = ("temperature", "mode", "sampled_draws", *FINGERPRINTS, "extra")
-# How ids and log-probs are stored (codec.py); a store recording another encoding is refused.
-ENCODING = {
-    "ids": "sorted within a token, first id then gaps, uint32",
-    "logprobs": "round(-logprob * logprob_scale) as uint16, pad_code = padding",
-    "logprob_scale": LOGPROB_SCALE,
-    "pad_code": PAD_CODE,
-}
+# Draw counts of sampled-counts-v1 are uint16.
+MAX_SAMPLED_DRAWS = (1 << 16) - 1
 # Integer fields and their smallest valid value.
 _COUNTS = {"vocab_size": 1, "topk": 1, "seq_length": 1, "num_samples": 0, "dp_size": 1, "micro_batch_size": 1,
            "rows_per_shard": 1, "sampled_draws": 0}
@@ -69,9 +65,15 @@ class CacheMeta:
     extra: dict = field(default_factory=dict)
     """Free-form, JSON-serializable (e.g. the teacher's arguments); compared on resume."""
     schema_version: int = SCHEMA_VERSION
-    encoding: dict = field(default_factory=lambda: dict(ENCODING))
+    encoding: dict = field(default_factory=lambda: encoding_field(TOPK_V1))
+    """How ids and log-probs are stored: topk-v1's dict, or {"codec": name} (encodings.py)."""
     complete: bool = False
     """Completion record: every partition holds every one of its samples."""
+
+    @property
+    def codec(self) -> str:
+        """The codec ``encoding`` names (checked on open: a store naming none this version reads is refused)."""
+        return codec_of(self.encoding)
 
     @property
     def layout(self) -> PartitionLayout:
@@ -158,8 +160,16 @@ class CacheMeta:
             bad("extra", "an object")
         if not isinstance(self.complete, bool):
             bad("complete", "true or false")
-        if self.encoding != ENCODING:
-            bad("encoding", f"{ENCODING!r} (the encoding this version reads)")
+        if codec_of(self.encoding) is None:
+            named = self.encoding.get("codec") if isinstance(self.encoding, dict) else None
+            if named is not None:
+                raise CacheError(f"{path}: {ATTR_KEY}.encoding.codec is {named!r}, not a codec this megatron_kd reads "
+                                 f"({', '.join(CODECS)}); written by a newer megatron_kd? upgrade it to read this cache")
+            bad("encoding", f"topk-v1's {encoding_field(TOPK_V1)!r} or {{'codec': NAME}} with NAME one of {CODECS[1:]}")
+        if self.codec == SAMPLED_COUNTS_V1 and (self.mode != "sampled" or not 1 <= self.sampled_draws <= MAX_SAMPLED_DRAWS):
+            raise CacheError(f"{path}: {ATTR_KEY}.encoding.codec {SAMPLED_COUNTS_V1!r} stores draw counts: it needs mode "
+                             f"'sampled' and sampled_draws in 1..{MAX_SAMPLED_DRAWS}, got mode {self.mode!r}, "
+                             f"sampled_draws {self.sampled_draws!r}")
 
     def mismatches(self, other: "CacheMeta") -> list[tuple[str, object, object]]:
         """(field, self value, other value) for every field that differs, completion excluded."""

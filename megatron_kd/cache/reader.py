@@ -23,7 +23,8 @@ import torch
 import zarr
 
 from megatron_kd.cache.binding import PartitionBindings
-from megatron_kd.cache.codec import CacheError, decode_topk
+from megatron_kd.cache.codec import CacheError
+from megatron_kd.cache.encodings import RowDecoder
 from megatron_kd.cache.meta import CacheMeta, check_expected
 from megatron_kd.cache.store import (
     ARRAYS,
@@ -66,6 +67,7 @@ class CacheReader:
         check_expected(self.meta, expect or {}, path=str(self.path))
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.ids_dtype = ids_dtype
+        self._decode = RowDecoder(self.meta.codec, self.meta.sampled_draws, ids_dtype)
         self._root = open_root(self.path)
         self._partitions: dict[int, _Partition] = {}
         self._last_chunk = None  # ((rank, first row), (id gaps, codes)) of the last small read
@@ -148,9 +150,8 @@ class CacheReader:
         runs = [self._read_rows(int(ranks[a]), int(rows[a]), int(rows[b - 1]) + 1, samples[a:b])
                 for a, b in zip([0, *breaks], [*breaks, len(samples)])]
         if len(runs) == 1:
-            return decode_topk(*runs[0], ids_dtype=self.ids_dtype)
-        return decode_topk(np.concatenate([r[0] for r in runs]), np.concatenate([r[1] for r in runs]),
-                           ids_dtype=self.ids_dtype)
+            return self._decode(*runs[0])
+        return self._decode(np.concatenate([r[0] for r in runs]), np.concatenate([r[1] for r in runs]))
 
     def _read_rows(self, rank: int, r0: int, r1: int, samples: np.ndarray):
         part = self._partition(rank)

@@ -32,9 +32,10 @@ from pathlib import Path
 import google_crc32c
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from megatron_kd.cache.codec import CacheError
+from megatron_kd.cache.encodings import array_specs
 from megatron_kd.cache.meta import ATTR_KEY, CacheMeta
 
 ARRAYS = ("ids", "logprobs")
@@ -63,15 +64,6 @@ def rows_per_chunk(seq_length: int, topk: int, shard_rows: int) -> int:
     """The largest divisor of shard_rows whose chunk stays within CHUNK_TARGET_BYTES."""
     target = max(1, CHUNK_TARGET_BYTES // max(seq_length * topk * 4, 1))
     return max(d for d in range(1, min(target, shard_rows) + 1) if shard_rows % d == 0)
-
-
-def _compressor(name: str):
-    # Measured at K=100 on teacher-like data (benchmarks/bench_cache.py): id gaps compress 15%
-    # smaller with zstd than lz4, byte-shuffled (as small as bit-shuffled, faster to decode);
-    # the fixed-point codes are within 5% under bit-shuffled lz4 and decode 2.5x faster than zstd.
-    if name == "ids":
-        return [BloscCodec(cname="zstd", clevel=5, shuffle="shuffle"), Crc32cCodec()]
-    return [BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"), Crc32cCodec()]
 
 
 def one_line(e: BaseException) -> str:
@@ -217,10 +209,11 @@ def create_partition(root: zarr.Group, meta: CacheMeta, rank: int) -> zarr.Group
     shape = (rows, meta.seq_length, meta.topk)
     shard_rows = min(meta.rows_per_shard, max(rows, 1))
     chunk_rows = rows_per_chunk(meta.seq_length, meta.topk, shard_rows)
-    for name, dtype in (("ids", "uint32"), ("logprobs", "uint16")):
+    for name, spec in array_specs(meta.codec, meta.sampled_draws).items():
         group.create_array(
-            name, shape=shape, dtype=dtype, chunks=(chunk_rows, meta.seq_length, meta.topk),
-            shards=(shard_rows, meta.seq_length, meta.topk), compressors=_compressor(name), fill_value=0,
+            name, shape=shape, dtype=spec.dtype, chunks=(chunk_rows, meta.seq_length, meta.topk),
+            shards=(shard_rows, meta.seq_length, meta.topk), serializer=spec.serializer,
+            compressors=list(spec.compressors), fill_value=spec.fill_value,
         )
     group.create_array(DONE, shape=(rows,), dtype="uint8", chunks=(shard_rows,), fill_value=0,
                        compressors=[ZstdCodec(level=0), Crc32cCodec()])
@@ -257,9 +250,10 @@ def open_partition(root: zarr.Group, meta: CacheMeta, rank: int, *, path) -> zar
     shard_rows = min(meta.rows_per_shard, max(rows, 1))
     chunk_rows = rows_per_chunk(seq, k, shard_rows)
     # name: (shape, chunks, shards, dtype), as create_partition makes them
-    expected = {"ids": ((rows, seq, k), (chunk_rows, seq, k), (shard_rows, seq, k), "uint32"),
-                "logprobs": ((rows, seq, k), (chunk_rows, seq, k), (shard_rows, seq, k), "uint16"),
-                DONE: ((rows,), (shard_rows,), None, "uint8")}
+    specs = array_specs(meta.codec, meta.sampled_draws)
+    expected = {name_: ((rows, seq, k), (chunk_rows, seq, k), (shard_rows, seq, k), spec.dtype)
+                for name_, spec in specs.items()}
+    expected[DONE] = ((rows,), (shard_rows,), None, "uint8")
     for name_, (shape, chunks, shards, dtype) in expected.items():
         file = part / name_ / "zarr.json"
         if not file.exists():
@@ -272,7 +266,20 @@ def open_partition(root: zarr.Group, meta: CacheMeta, rank: int, *, path) -> zar
         if tuple(arr.chunks) != chunks or (tuple(arr.shards) if arr.shards else None) != shards:
             raise CacheError(f"{file}: chunks {arr.chunks} shards {arr.shards}, expected chunks {chunks} "
                              f"shards {shards} (rows_per_shard={meta.rows_per_shard})")
+        if name_ in specs:
+            _check_serializer(file, arr, specs[name_], meta.codec)
     return group
+
+
+def _check_serializer(file: Path, arr: zarr.Array, spec, codec: str) -> None:
+    """The chunk codec of an entry array is the one its store's codec uses (a zarr.json of another
+    encoding, or another number of draws, would decode the chunks as something else)."""
+    if spec.serializer == "auto":
+        return
+    inner = getattr(arr.metadata.codecs[0], "codecs", ())  # the sharding codec's chunk codecs
+    have = inner[0].to_dict() if inner else None
+    if have != spec.serializer.to_dict():
+        raise CacheError(f"{file}: chunk codec {have!r}, expected {spec.serializer.to_dict()!r} (encoding {codec})")
 
 
 # ---------------------------------------------------------------- blocks: shard files / rows_done chunks

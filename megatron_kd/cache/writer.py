@@ -40,7 +40,8 @@ import numpy as np
 import zarr
 
 from megatron_kd.cache.binding import PartitionBindings
-from megatron_kd.cache.codec import CacheBusyError, CacheError, CacheWriteError, encode_topk
+from megatron_kd.cache.codec import CacheBusyError, CacheError, CacheWriteError
+from megatron_kd.cache.encodings import CODECS, SAMPLED_COUNTS_V1, array_specs, default_codec, encode_rows, encoding_field
 from megatron_kd.cache.meta import ATTR_KEY, METADATA_KEYS, MODES, CacheMeta
 from megatron_kd.cache.store import (
     ARRAYS,
@@ -74,6 +75,14 @@ def _os_errors(where: Path):
         file = _TEMP_SUFFIX.sub("", str(e.filename)) if e.filename else str(where)
         raise CacheWriteError(f"{file}: cannot write the cache ({e.strerror or e}); the writer needs write access and "
                          f"free space there") from None
+
+
+def _stored_codec(path: Path) -> str | None:
+    """The codec of the store at ``path``; None where there is none yet."""
+    if not os.path.lexists(path / "zarr.json"):
+        return None
+    with _os_errors(path):
+        return read_root_meta(path).codec
 
 
 def _open_or_create_root(path: Path, meta: CacheMeta) -> tuple[zarr.Group, CacheMeta]:
@@ -123,6 +132,10 @@ class CacheWriter:
     ``metadata`` may set temperature, mode ("topk" / "sampled"), sampled_draws, the
     teacher / tokenizer / dataset fingerprints, and "extra" (any JSON-serializable dict).
 
+    ``codec`` (encodings.py): "topk-v1", "topk-v2" or "sampled-counts-v1"; None picks the codec of
+    the store already at ``path`` (so a build started by another version resumes as it began),
+    else the mode's: sampled-counts-v1 for "sampled", topk-v2 for "topk".
+
     After opening, ``repaired_samples`` holds the global indices of samples that rows_done listed
     as written but whose shard was not on disk as its binding record says (now pending again), and
     ``repairs`` one line per such shard saying why.
@@ -130,7 +143,7 @@ class CacheWriter:
 
     def __init__(self, path, *, vocab_size: int, topk: int, seq_length: int, num_samples: int,
                  dp_rank: int = 0, dp_size: int = 1, micro_batch_size: int = 1, metadata: dict | None = None,
-                 rows_per_shard: int | None = None):
+                 rows_per_shard: int | None = None, codec: str | None = None):
         metadata = dict(metadata or {})
         unknown = set(metadata) - set(METADATA_KEYS)
         if unknown:
@@ -146,6 +159,15 @@ class CacheWriter:
         self.path = Path(path)
         self.rank = dp_rank
         self._lock = None
+        mode = metadata.get("mode", "topk")
+        if codec is None:
+            codec = _stored_codec(self.path) or default_codec(mode)
+        if codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+        if codec == SAMPLED_COUNTS_V1 and (mode != "sampled" or metadata.get("sampled_draws", 0) < 1):
+            raise ValueError(f"codec {codec!r} stores draw counts: it needs metadata mode 'sampled' and sampled_draws "
+                             f">= 1 (got mode {mode!r}, sampled_draws {metadata.get('sampled_draws', 0)!r})")
+        metadata["encoding"] = encoding_field(codec)
         probe = CacheMeta(vocab_size, topk, seq_length, num_samples, dp_size, micro_batch_size, 1)
         max_rows = max(probe.layout.rows_of(r) for r in range(dp_size))
         meta = CacheMeta(
@@ -177,6 +199,9 @@ class CacheWriter:
             for stale in (self.path / partition_name(self.rank)).rglob("*.partial"):
                 stale.unlink(missing_ok=True)
         self.samples = self.meta.layout.samples_of(self.rank)
+        self.specs = array_specs(self.meta.codec, self.meta.sampled_draws)
+        # an all-padding chunk is written like any other: a strict reader never meets a missing one
+        self.arrays = {name: self.group[name].with_config({"write_empty_chunks": True}) for name in ARRAYS}
         self.shard_rows = self.group["ids"].shards[0]
         self.bindings = PartitionBindings(self.path, self.meta.store_id, self.rank,
                                           {name: self.group[name] for name in ARRAYS})
@@ -269,7 +294,8 @@ class CacheWriter:
             raise CacheError(f"sample {indices[0]}: topk_ids {tuple(topk_ids.shape)} / topk_logprobs "
                              f"{tuple(topk_logprobs.shape)} must be {expect} (seq_length={self.meta.seq_length}, "
                              f"K={self.meta.topk})")
-        deltas, codes = encode_topk(topk_ids, topk_logprobs, self.meta.vocab_size,
+        deltas, codes = encode_rows(self.meta.codec, topk_ids, topk_logprobs, vocab_size=self.meta.vocab_size,
+                                    draws=self.meta.sampled_draws,
                                     where=f"sample {indices[0]}{'..' if len(indices) > 1 else ''}: ")
         deltas = deltas.reshape(len(indices), self.meta.seq_length, self.meta.topk)
         codes = codes.reshape(deltas.shape)
@@ -298,11 +324,11 @@ class CacheWriter:
     def _new_buffer(self, shard: int) -> dict:
         start, stop = self._shard_range(shard)
         shape = (stop - start, self.meta.seq_length, self.meta.topk)
-        buf = {"ids": np.zeros(shape, np.uint32), "logprobs": np.zeros(shape, np.uint16),
-               "filled": self.done[start:stop].copy()}
+        buf = {name: np.full(shape, spec.fill_value, spec.dtype) for name, spec in self.specs.items()}
+        buf["filled"] = self.done[start:stop].copy()
         if buf["filled"].any():  # rows written by an earlier, interrupted run: rewrite the shard whole
             for name in ARRAYS:
-                buf[name][:] = read_rows(self.path, strict(self.group[name]), start, stop)
+                buf[name][:] = read_rows(self.path, strict(self.arrays[name]), start, stop)
         return buf
 
     def _flush(self, shard: int) -> None:
@@ -315,11 +341,11 @@ class CacheWriter:
             self.bindings.discard(shard)
         if buf["filled"].all():
             for name in ARRAYS:
-                self.group[name][start:stop] = buf[name]
+                self.arrays[name][start:stop] = buf[name]
         else:
             for local in np.flatnonzero(buf["filled"] & ~self.done[start:stop]):
                 for name in ARRAYS:
-                    self.group[name][start + local] = buf[name][local]
+                    self.arrays[name][start + local] = buf[name][local]
         self.bindings.write(shard)  # the files as they are on disk now
         # rows_done after the data and its record: a row marked done is always on disk and bound
         self.done[start:stop] |= buf["filled"]

@@ -1,0 +1,221 @@
+"""How a store holds the teacher's entries: the codec named in its metadata's ``encoding``.
+
+    topk-v1            ids: uint32 id gaps, Blosc zstd byte-shuffled; logprobs: uint16 fixed-point
+                       codes, Blosc lz4 bit-shuffled (codec.py). ``encoding`` is the dict that
+                       stores of schema 2 have always held (no "codec" key), so they read, resume
+                       and digest (store_id) exactly as before.
+    topk-v2            ids: int32 id sets; logprobs: topk-v1's uint16 codes, each as byte-plane
+                       zstd streams without padding (entry_codecs.py). Same values as topk-v1.
+    sampled-counts-v1  ids: int32 id sets; logprobs: uint16 draw counts (the log-probs are
+                       log(count / sampled_draws)), byte-plane zstd streams without padding.
+
+``encoding`` of the two newer ones is ``{"codec": NAME}``. The arrays' chunk codecs are zarr
+array-to-bytes codecs registered here (``megatron_kd.id_sets_v1`` ...), followed by CRC32C; each
+chunk of an array is coded on its own (no state across chunks), so zarr's sharding, partial
+writes and reads work as for any codec. A store naming another codec is refused with one line.
+
+The writer picks the codec from the mode (sampled -> sampled-counts-v1, top-K -> topk-v2) unless
+told, and an existing store keeps its own (a resumed build stays byte-identical). The reader turns
+every encoding into the same tensors: ids int32 [n, seq, K] with -1 padding, float32 log-probs
+with -inf padding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from zarr.abc.codec import ArrayBytesCodec
+from zarr.codecs import BloscCodec, Crc32cCodec
+from zarr.core.common import parse_named_configuration
+from zarr.registry import register_codec
+
+from megatron_kd.cache import entry_codecs as ec
+from megatron_kd.cache.codec import LOGPROB_SCALE, PAD_CODE, CacheError, encode_topk, logprob_codes, sorted_entries
+
+TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1 = "topk-v1", "topk-v2", "sampled-counts-v1"
+CODECS = (TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1)
+# topk-v1's encoding field, exactly as stores of schema 2 hold it
+TOPK_V1_ENCODING = {
+    "ids": "sorted within a token, first id then gaps, uint32",
+    "logprobs": "round(-logprob * logprob_scale) as uint16, pad_code = padding",
+    "logprob_scale": LOGPROB_SCALE,
+    "pad_code": PAD_CODE,
+}
+# log(count / draws) is exact to this much relative error of exp(logprob) · draws (float32 rounding)
+_COUNT_SLACK = 1e-3
+
+
+def default_codec(mode: str) -> str:
+    return SAMPLED_COUNTS_V1 if mode == "sampled" else TOPK_V2
+
+
+def encoding_field(codec: str) -> dict:
+    """The metadata ``encoding`` value of ``codec``."""
+    if codec not in CODECS:
+        raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
+    return dict(TOPK_V1_ENCODING) if codec == TOPK_V1 else {"codec": codec}
+
+
+def codec_of(encoding) -> str | None:
+    """The codec an ``encoding`` field names; None when it names none this version reads."""
+    if encoding == TOPK_V1_ENCODING:
+        return TOPK_V1
+    if isinstance(encoding, dict) and list(encoding) == ["codec"] and encoding["codec"] in CODECS[1:]:
+        return encoding["codec"]
+    return None
+
+
+# ---------------------------------------------------------------- zarr chunk codecs
+@dataclass(frozen=True)
+class _ChunkCodec(ArrayBytesCodec):
+    """A zarr array-to-bytes codec over one chunk [rows, seq, K] (tokens = rows · seq)."""
+
+    is_fixed_size = False
+    name = ""
+
+    @classmethod
+    def from_dict(cls, data):
+        _, config = parse_named_configuration(data, cls.name, require_configuration=False)
+        return cls(**(config or {}))
+
+    def to_dict(self):
+        config = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {"name": self.name, **({"configuration": config} if config else {})}
+
+    def _encode_sync(self, chunk_array, chunk_spec):
+        arr = chunk_array.as_numpy_array()
+        return chunk_spec.prototype.buffer.from_bytes(self.encode_chunk(arr.reshape(-1, arr.shape[-1])))
+
+    def _decode_sync(self, chunk_bytes, chunk_spec):
+        shape = chunk_spec.shape
+        out = self.decode_chunk(chunk_bytes.as_numpy_array(), int(np.prod(shape[:-1])), shape[-1])
+        return chunk_spec.prototype.nd_buffer.from_numpy_array(out.reshape(shape))
+
+    async def _encode_single(self, chunk_array, chunk_spec):
+        return await asyncio.to_thread(self._encode_sync, chunk_array, chunk_spec)
+
+    async def _decode_single(self, chunk_bytes, chunk_spec):
+        return await asyncio.to_thread(self._decode_sync, chunk_bytes, chunk_spec)
+
+    def compute_encoded_size(self, input_byte_length, chunk_spec):
+        raise NotImplementedError  # variable
+
+
+@dataclass(frozen=True)
+class IdSetsCodec(_ChunkCodec):
+    name = "megatron_kd.id_sets_v1"
+
+    def encode_chunk(self, arr):
+        return ec.encode_id_sets(arr)
+
+    def decode_chunk(self, buf, tokens, k):
+        return ec.decode_id_sets(buf, tokens, k)
+
+
+@dataclass(frozen=True)
+class DrawCountsCodec(_ChunkCodec):
+    draws: int = 1
+    name = "megatron_kd.draw_counts_v1"
+
+    def encode_chunk(self, arr):
+        return ec.encode_draw_counts(arr, self.draws)
+
+    def decode_chunk(self, buf, tokens, k):
+        return ec.decode_draw_counts(buf, tokens, k, self.draws)
+
+
+@dataclass(frozen=True)
+class TopkCodesCodec(_ChunkCodec):
+    name = "megatron_kd.topk_codes_v2"
+
+    def encode_chunk(self, arr):
+        return ec.encode_topk_codes(arr)
+
+    def decode_chunk(self, buf, tokens, k):
+        return ec.decode_topk_codes(buf, tokens, k)
+
+
+for _cls in (IdSetsCodec, DrawCountsCodec, TopkCodesCodec):
+    register_codec(_cls.name, _cls)
+
+
+# ---------------------------------------------------------------- arrays of each codec
+@dataclass(frozen=True)
+class ArraySpec:
+    dtype: str
+    fill_value: int
+    serializer: object  # a zarr array-to-bytes codec, or "auto" (zarr's bytes codec)
+    compressors: tuple
+
+
+def array_specs(codec: str, draws: int) -> dict[str, ArraySpec]:
+    """name -> how it is stored, for the arrays "ids" and "logprobs" of a partition."""
+    crc = Crc32cCodec()
+    if codec == TOPK_V1:
+        # Measured at K=100 on teacher-like data (benchmarks/bench_cache.py): id gaps compress 15%
+        # smaller with zstd than lz4, byte-shuffled (as small as bit-shuffled, faster to decode);
+        # the fixed-point codes are within 5% under bit-shuffled lz4 and decode 2.5x faster than zstd.
+        return {"ids": ArraySpec("uint32", 0, "auto", (BloscCodec(cname="zstd", clevel=5, shuffle="shuffle"), crc)),
+                "logprobs": ArraySpec("uint16", 0, "auto", (BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"),
+                                                            crc))}
+    ids = ArraySpec("int32", -1, IdSetsCodec(), (crc,))
+    if codec == TOPK_V2:
+        return {"ids": ids, "logprobs": ArraySpec("uint16", PAD_CODE, TopkCodesCodec(), (crc,))}
+    return {"ids": ids, "logprobs": ArraySpec("uint16", 0, DrawCountsCodec(draws=draws), (crc,))}
+
+
+# ---------------------------------------------------------------- writer side: tensors -> arrays
+def encode_rows(codec: str, ids, logprobs, *, vocab_size: int, draws: int, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(ids, logprobs) [..., K] from a teacher pass -> the (ids, logprobs) arrays' values, checked
+    (CacheError naming what is wrong) and sorted on the tensors' device."""
+    if codec == TOPK_V1:
+        return encode_topk(ids, logprobs, vocab_size, where=where)
+    sorted_ids, sorted_lps, valid = sorted_entries(ids, logprobs, vocab_size, where=where)
+    if codec == TOPK_V2:
+        values = torch.where(valid, logprob_codes(sorted_lps), PAD_CODE)
+    else:
+        exact = sorted_lps.double().exp() * draws
+        counts = torch.where(valid, exact.round(), 0)
+        far = valid & ((exact - counts).abs() > _COUNT_SLACK * counts.clamp(min=1))
+        sums = counts.sum(-1)
+        uneven = valid.any(-1) & (sums != draws)
+        if bool(far.any() | uneven.any()):  # one device-to-host copy when all is well
+            tok = tuple(torch.nonzero(far.any(-1) | uneven)[0].tolist())
+            raise CacheError(f"{where}topk_logprobs of token {tok} are not log(count / {draws}) of counts summing to "
+                             f"sampled_draws={draws}; a sampled cache stores draw counts (write a top-K cache "
+                             f"with codec {TOPK_V2!r} or {TOPK_V1!r} for other log-probs)")
+        values = counts.to(torch.int32)
+    return sorted_ids.to(torch.int32).cpu().numpy(), values.cpu().numpy().astype(np.uint16)
+
+
+# ---------------------------------------------------------------- reader side: arrays -> tensors
+def _tables(draws: int) -> dict[str, np.ndarray]:
+    codes = np.arange(PAD_CODE + 1, dtype=np.float32) * np.float32(-1.0 / LOGPROB_SCALE)  # as codec.decode_topk
+    codes[PAD_CODE] = -np.inf
+    out = {TOPK_V2: codes}
+    if draws:
+        with np.errstate(divide="ignore"):
+            out[SAMPLED_COUNTS_V1] = np.log(np.arange(draws + 1, dtype=np.float64) / draws).astype(np.float32)
+    return out
+
+
+class RowDecoder:
+    """The reader's last step: stored (ids, logprobs) values -> (ids int32 / ``ids_dtype``, float32
+    log-probs) tensors, for one store's codec."""
+
+    def __init__(self, codec: str, draws: int, ids_dtype: torch.dtype = torch.int32):
+        self.codec, self.ids_dtype = codec, ids_dtype
+        self._table = None if codec == TOPK_V1 else _tables(draws)[codec]
+
+    def __call__(self, ids: np.ndarray, values: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        from megatron_kd.cache.codec import decode_topk
+
+        if self.codec == TOPK_V1:
+            return decode_topk(ids, values, ids_dtype=self.ids_dtype)
+        out_ids = torch.from_numpy(np.ascontiguousarray(ids))
+        if self.ids_dtype != torch.int32:
+            out_ids = out_ids.to(self.ids_dtype)
+        return out_ids, torch.from_numpy(np.take(self._table, values))
