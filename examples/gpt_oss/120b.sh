@@ -1,17 +1,18 @@
 # GPT-OSS 120B: 36 layers x 128 experts (117B parameters, 5.1B active per token).
 # Students are often smaller: later flags win, e.g. `--num-layers 18 --num-experts 64`.
 GPT_OSS_SIZE=(--num-layers 36 --num-experts 128)
-# One 8-GPU node at 32K tokens: the GPUs hold bf16 weights and fp32 gradients (16 experts per GPU,
-# expert parallel 8; ~108 GiB per GPU with the fused loss) and the optimizer runs on the host.
-# Megatron's CPU offload keeps fp32 master weights, gradients and moments there, about 20 bytes per
-# parameter (measured; it ignores the precision-aware dtypes, but requires the flag): ~2.2 TiB of
-# host RAM for all 117B parameters, more than a 2 TB node has. On one such node distill a student of
-# this architecture with fewer experts (`--num-experts 64`: 59B parameters, ~67 GiB per GPU and
-# ~1.1 TiB of host RAM) or train on two nodes. `megatron-kd plan` gives the numbers.
+# One 8-GPU node at 32K tokens with the optimizer on the GPUs: expert parallel 8, so each GPU holds
+# 16 of the 128 experts (14.3B expert + 2.1B non-expert parameters). --kd-optimizer bf16-sr-8bit
+# keeps bf16 weights updated by stochastic rounding (no fp32 master copy), 8-bit Adam moments and
+# bf16 gradients: 2 + 2 + 2.03 bytes per parameter, the non-expert part's state sharded over the 8
+# data-parallel ranks (the experts' is not: expert-data parallel is 1), 105 GiB per GPU with full
+# recompute (`megatron-kd plan`). Megatron's default state (fp32 master weights and moments, fp32
+# gradients: 18 bytes per parameter) fits no one-node layout, and its CPU offload needs ~2.2 TiB of
+# host RAM. The option implies --bf16 --use-distributed-optimizer --use-precision-aware-optimizer
+# --main-grads-dtype bf16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 (megatron_kd/optim/megatron.py).
 GPT_OSS_LAYOUT=(
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 8
-  --use-distributed-optimizer --use-precision-aware-optimizer
-  --optimizer-cpu-offload --optimizer-offload-fraction 1.0
+  --kd-optimizer bf16-sr-8bit
   --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
   --seq-length 32768 --micro-batch-size 1
 )

@@ -18,6 +18,8 @@ from typing import Literal
 
 from megatron_kd.errors import FlagError
 from megatron_kd.ops import DIVERGENCES, IMPLS, TAILS
+from megatron_kd.optim.megatron import DEFAULT_OPTIMIZER, OPTIMIZERS
+from megatron_kd.optim.megatron import HELP as OPTIMIZER_HELP
 
 KD_IMPLS = ("fused", "dense")
 CE_IMPLS = ("fused", "megatron")
@@ -177,6 +179,7 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Without Transformer Engine or Apex, megatron-core's Adam is torch.optim.AdamW with its "
                             "default multi-tensor update; this builds it with fused=True (one kernel per group of "
                             "tensors, the same fp32 arithmetic). No effect where TE's or Apex's FusedAdam is installed.")
+    group.add_argument("--kd-optimizer", choices=OPTIMIZERS, default=DEFAULT_OPTIMIZER, help=OPTIMIZER_HELP)
     # teacher pass (megatron-kd cache build)
     group.add_argument("--kd-topk", type=int, default=100,
                        help="Entries per token stored by the teacher pass (K, >= 1).")

@@ -7,8 +7,11 @@ Per GPU, in GiB (the most loaded rank):
 
   weights      bf16 parameters of this rank's shard: the non-expert part (tensor-parallel shard
                plus replicated norms and router) and its experts (1/EP of them)
-  gradients    Megatron's fp32 ``main_grad`` (bf16 training accumulates and reduces in fp32)
-  optimizer    Adam's master weights and two moments, in the precision-aware dtypes
+  gradients    Megatron's ``main_grad`` buffer: fp32 (bf16 training accumulates and reduces in fp32),
+               bf16 with ``--main-grads-dtype bf16`` / ``--grad-reduce-in-bf16``
+  optimizer    ``--kd-optimizer bf16-sr-8bit``: 8-bit moments and no master copy, 2.03 bytes per
+               parameter (``megatron_kd.optim.megatron.optimizer_memory``); otherwise
+               Adam's master weights and two moments, in the precision-aware dtypes
                (``--main-params-dtype``, ``--exp-avg-dtype``, ``--exp-avg-sq-dtype``), sharded over
                data parallel by the distributed optimizer (experts over expert-data parallel). With
                ``--optimizer-cpu-offload`` Megatron's hybrid optimizer runs torch's Adam in fp32
@@ -55,6 +58,7 @@ import re
 from dataclasses import dataclass, field
 
 from megatron_kd.ops.topk_kl_function import triton_block_budget
+from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory
 
 GIB = 2**30
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -127,7 +131,16 @@ OFFLOAD_HOST_BYTES_PER_PARAM = 20.0
 OFFLOAD_GPU_BYTES_PER_PARAM = 12.0
 
 
+def _gradient_bytes_per_param(args) -> float:
+    """Megatron's main_grad buffer: bf16 only when bf16 training does not accumulate in fp32."""
+    bf16_grads = getattr(args, "main_grads_dtype", "fp32") == "bf16" or getattr(args, "grad_reduce_in_bf16", False)
+    return 2.0 if getattr(args, "bf16", False) and bf16_grads else 4.0
+
+
 def _optimizer_bytes_per_param(args) -> float:
+    choice = getattr(args, "kd_optimizer", "megatron")
+    if choice != "megatron":
+        return optimizer_memory(choice).state
     main = 2 if getattr(args, "main_params_dtype", "fp32") == "fp16" else 4
     if not getattr(args, "use_precision_aware_optimizer", False):
         return 12.0
@@ -255,7 +268,7 @@ def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: i
     optimized = (dense / (a.data_parallel_size if a.use_distributed_optimizer else 1)
                  + experts / (expert_dp if a.use_distributed_optimizer else 1))
     plan.gpu_bytes["weights"] = 2 * (dense + experts)
-    plan.gpu_bytes["gradients"] = 4 * (dense + experts)
+    plan.gpu_bytes["gradients"] = _gradient_bytes_per_param(a) * (dense + experts)
     if getattr(a, "optimizer_cpu_offload", False):
         offload = a.optimizer_offload_fraction
         plan.gpu_bytes["optimizer"] = optimized * (1 - offload) * OFFLOAD_GPU_BYTES_PER_PARAM
@@ -340,7 +353,7 @@ def plan_args(flags: list[str], gpus: int) -> tuple[argparse.Namespace, Layout]:
     from megatron_kd.megatron.args import check_kd_flags
     from megatron_kd.megatron.train import parse_flags
 
-    args = parse_flags(flags, prog="megatron-kd plan")
+    args = parse_flags(expand_optimizer_flags(flags), prog="megatron-kd plan")  # with --kd-optimizer's flags
     for flag, value in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
                         ("--num-attention-heads", args.num_attention_heads), ("--seq-length", args.seq_length)):
         if value is None:

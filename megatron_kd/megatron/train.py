@@ -28,6 +28,7 @@ from megatron_kd.megatron.kd_data import KDDataset
 from megatron_kd.megatron.loss import KDForwardStep
 from megatron_kd.models.gpt import gpt_model_from_args
 from megatron_kd.models.hf import hf_vocab_rows, init_from_hf
+from megatron_kd.optim.megatron import expand_optimizer_flags
 
 
 def has_checkpoint(load_dir: str | None) -> bool:
@@ -267,6 +268,7 @@ def check_megatron_run(argv: list[str], command: str, args_defaults: dict | None
     import torch
     from megatron.training.arguments import parse_args, validate_args
 
+    argv = expand_optimizer_flags(argv)  # --kd-optimizer's Megatron-LM flags, for Megatron's validation too
     flags = check_megatron_flags(argv)
     if command == "cache build" and not flags.kd_cache:
         raise FlagError("cache build needs --kd-cache PATH: where to write the teacher cache")
@@ -304,6 +306,7 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
 
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    sys.argv = [sys.argv[0], *expand_optimizer_flags(sys.argv[1:])]  # what --kd-optimizer stands for
     flags = check_megatron_flags(sys.argv[1:])
     use_prebuilt_dataset_helpers()
     hf_dir = hf_tokenizer_dir(flags)
@@ -325,8 +328,11 @@ def main(argv: list[str] | None = None) -> None:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron_kd.optim.megatron import install
+
     args = parse_megatron_args(argv)
     require_cuda("train")  # before Megatron's initialization asserts it
+    install(args.kd_optimizer, seed=args.seed)  # the optimizer megatron-core's construction builds
     if args.kd_fused_adam:
         from megatron_kd.megatron.optimizer import use_fused_torch_adamw
 

@@ -8,8 +8,9 @@ what it says of the GPT-OSS recipes on one 8-GPU node.
    there without recompute
 3. the optimizer's CPU offload: host and GPU memory within 10% of a measured run (Megatron's hybrid
    optimizer keeps fp32 state on the host whatever the precision-aware dtypes say)
-4. the 120B recipe fits the GPUs only with its optimizer offloaded, and then needs more host memory
-   than a 2 TB node has; without offload it does not fit, and --search finds no other one-node layout
+4. the 120B recipe fits one node with its optimizer on the GPUs (--kd-optimizer bf16-sr-8bit: bf16
+   gradients, 2.03 bytes of state per parameter, the non-expert part sharded over DP 8) and no host
+   memory; with Megatron's default state it does not fit, and --search finds no one-node layout
 5. the CLI prints the table; bad flags are one line
 """
 
@@ -27,13 +28,14 @@ from tiny_gpt_oss import recipe_flags  # noqa: E402
 from megatron_kd.cli import main  # noqa: E402
 from megatron_kd.megatron.plan import GIB, Layout, estimate  # noqa: E402
 from megatron_kd.megatron.train import megatron_parser  # noqa: E402
+from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
 NODE = 141e9
 
 
 def _args(*flags):
-    args, unknown = megatron_parser().parse_known_args(list(flags))
+    args, unknown = megatron_parser().parse_known_args(expand_optimizer_flags(list(flags)))
     assert not unknown
     args.padded_vocab_size = 201088 if args.tensor_model_parallel_size == 1 else 201728
     return args
@@ -84,19 +86,25 @@ def test_optimizer_offload_matches_measured():
     assert plan.host_bytes == pytest.approx(host_growth, rel=0.10)
 
 
-def test_120b_recipe_needs_its_optimizer_offloaded():
+def test_120b_recipe_fits_one_node_with_its_optimizer_on_the_gpus():
     args = _recipe("120b")
+    assert args.kd_optimizer == "bf16-sr-8bit" and not args.optimizer_cpu_offload
     plan = estimate(args, _layout(args), gpus=8)
-    assert plan.total < NODE
-    # fp32 master weights, gradients and moments of ~117B parameters on the host: more than 2 TB
-    assert 2.0e12 < plan.host_bytes * 8 < 2.8e12
-    args.optimizer_cpu_offload = False
-    assert estimate(args, _layout(args), gpus=8).total > NODE
+    assert plan.total < NODE and plan.host_bytes == 0
+    dense, experts = plan.params["non-expert"], plan.params["expert"]
+    memory = optimizer_memory("bf16-sr-8bit")
+    assert plan.gpu_bytes["gradients"] == 2 * (dense + experts) == memory.gradient * (dense + experts)
+    # the non-expert state sharded over the 8 data-parallel ranks, the experts' not (expert-DP 1)
+    assert plan.gpu_bytes["optimizer"] == pytest.approx(memory.state * (dense / 8 + experts))
+    assert memory.state == pytest.approx(2.03, abs=0.01)
+    # Megatron's default state (fp32 master weights and moments, fp32 gradients) does not fit
+    default = _recipe("120b", "--kd-optimizer", "megatron")
+    assert estimate(default, _layout(default), gpus=8).total > NODE
 
 
-def test_120b_without_offload_has_no_one_node_layout(capsys):
+def test_120b_with_megatrons_default_optimizer_has_no_one_node_layout(capsys):
     flags = [*recipe_flags("120b"), "--global-batch-size", "64", "--bf16", "--vocab-size", "201088",
-             "--optimizer-offload-fraction", "0"]
+             "--kd-optimizer", "megatron"]
     assert main(["plan", *flags, "--search"]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "no layout fits" in out
@@ -106,7 +114,7 @@ def test_plan_cli(capsys):
     flags = [*recipe_flags("120b"), "--global-batch-size", "64", "--bf16", "--vocab-size", "201088"]
     assert main(["plan", *flags, "--gpus", "8", "--gpu-memory", "141GB", "--host-memory", "2TB"]) == 0
     out = capsys.readouterr().out
-    assert "fits" in out and "host memory" in out and "optimizer" in out and "loss paths" in out
+    assert "-> fits" in out and "DOES NOT FIT" not in out and "optimizer" in out and "loss paths" in out
     assert main(["plan", *flags, "--no-optimizer-cpu-offload-flag"]) == 2
     assert main(["plan", "--num-layers", "2"]) == 2
     assert "plan needs" in capsys.readouterr().err

@@ -190,6 +190,8 @@ def test_implied_and_contradicting_flags():
         kd_optimizer.expand_optimizer_flags([*base, "--main-grads-dtype", "fp32"])
     with pytest.raises(FlagError, match="--optimizer-cpu-offload contradicts"):
         kd_optimizer.expand_optimizer_flags([*base, "--optimizer-cpu-offload"])
+    with pytest.raises(FlagError, match="--kd-fused-adam contradicts"):
+        kd_optimizer.expand_optimizer_flags([*base, "--kd-fused-adam"])
     with pytest.raises(FlagError, match="--optimizer sgd contradicts"):
         kd_optimizer.expand_optimizer_flags([*base, "--optimizer", "sgd"])
     with pytest.raises(FlagError, match="--kd-optimizer must be one of megatron, bf16-sr-8bit, got 'adam8'"):
