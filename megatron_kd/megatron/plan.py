@@ -19,9 +19,13 @@ Per GPU, in GiB (the most loaded rank):
                (``--optimizer-offload-fraction``) costs 20 bytes per parameter there (measured), and
                the part it keeps on the GPU 12
   activations  what backward keeps: per layer and token, attention (q/k/v, context, projection
-               input, norms) and MoE (dispatched tokens, fc1 output, activation, fc2 output) in bf16,
-               plus each MoE layer's stacked expert weights (the grouped GEMM keeps them); with
-               ``--recompute-granularity full`` only each layer's input, plus one layer in flight.
+               input, norms) and MoE (dispatched tokens, fc1 output, activation, fc2 output) in bf16
+               (``--recompute-modules moe_act``: no activation; megatron_kd's experts recompute it),
+               plus one MoE layer's stacked expert weights in flight (rebuilt in its backward). With
+               ``--recompute-granularity full`` layers recomputed whole keep only their input:
+               ``--recompute-method uniform`` with N layers per group keeps every group's input and
+               one group in flight; ``block`` with N layers keeps the first N layers' inputs and the
+               other layers whole (the block's backward comes last, one layer of it in flight).
                Sinks, windows and the cuDNN/flex kernels keep O(s) statistics only
   dispatch     the all-to-all send and receive buffers of routed tokens (EP > 1)
   loss         ``fused``: one chunk block (one bf16 weight gradient + 0.5 GiB, less the op's own
@@ -44,8 +48,13 @@ by PP; the global batch by micro-batch x DP; the sequence by 2 x CP (CP > 1) and
 sequence parallelism; MoE under TP > 1 needs sequence parallelism. Every term is >= 0 (asserted).
 
 ``--search`` tries the layouts (TP, EP, PP, CP, recompute, micro-batch) that divide the GPUs (and,
-with ``--transformer-impl local``, that megatron-core's local spec can run) and lists those that fit, fastest first by a simple cost model: compute per GPU, ×4/3 with full
-recompute, + 10% per doubling of TP (its all-reduces), + the pipeline bubble (PP−1)/micro-batches.
+with ``--transformer-impl local``, that megatron-core's local spec can run; recompute: none, every
+layer, or block recompute of a quarter, half or three quarters of each stage's layers, each with and
+without moe_act) and lists those that fit, fastest first by a simple cost model: compute per GPU,
+× (1 + 1/3 of the fraction of layers recomputed whole) (a layer's forward is a third of its
+forward + backward), ×1.01 with moe_act (one elementwise pass per MoE layer), + 10% per doubling
+of TP (its all-reduces), + the pipeline bubble (PP−1)/micro-batches. Each listed layout names the
+recompute flags that give it.
 """
 
 from __future__ import annotations
@@ -75,18 +84,39 @@ def parse_size(text: str) -> float:
     return float(m.group(1)) * scale
 
 
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
 @dataclass
 class Layout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
     cp: int = 1
-    recompute: bool = False
+    recompute: bool = False  # --recompute-granularity full
     micro_batch: int = 1
+    recompute_method: str = "uniform"  # with recompute: --recompute-method
+    recompute_layers: int = 1  # with recompute: --recompute-num-layers (group size, or the block's layers)
+    moe_act: bool = False  # --recompute-modules moe_act (megatron_kd's experts honour it under full too)
+
+    def recompute_flags(self) -> list[str]:
+        """The Megatron-LM flags of this layout's recompute."""
+        flags = []
+        if self.recompute:
+            flags += ["--recompute-granularity", "full", "--recompute-method", self.recompute_method,
+                      "--recompute-num-layers", str(self.recompute_layers)]
+        if self.moe_act:
+            flags += ([] if self.recompute else ["--recompute-granularity", "selective", "--moe-grouped-gemm"])
+            flags += ["--recompute-modules", "moe_act"]
+        return flags
 
     def describe(self) -> str:
-        return (f"TP{self.tp} PP{self.pp} EP{self.ep} CP{self.cp} mbs{self.micro_batch}"
-                + (" recompute=full" if self.recompute else ""))
+        recompute = ""
+        if self.recompute:
+            recompute = (" recompute=full" if (self.recompute_method, self.recompute_layers) == ("uniform", 1)
+                         else f" recompute={self.recompute_method}:{self.recompute_layers}")
+        return (f"TP{self.tp} PP{self.pp} EP{self.ep} CP{self.cp} mbs{self.micro_batch}" + recompute
+                + (" +moe_act" if self.moe_act else ""))
 
 
 @dataclass
@@ -147,8 +177,9 @@ def _optimizer_bytes_per_param(args) -> float:
     return main + _DTYPE_BYTES[getattr(args, "exp_avg_dtype", "fp32")] + _DTYPE_BYTES[getattr(args, "exp_avg_sq_dtype", "fp32")]
 
 
-def _layer_activation_bytes_per_token(args) -> tuple[float, float]:
-    """(attention + norms, MoE or MLP) bytes kept per token of one layer, bf16."""
+def _layer_activation_bytes_per_token(args, moe_act: bool = False) -> tuple[float, float]:
+    """(attention + norms, MoE or MLP) bytes kept per token of one layer, bf16; ``moe_act``: the
+    experts' activation is recomputed, not kept."""
     h, n = args.hidden_size, args.num_attention_heads
     g = args.num_query_groups if args.group_query_attention else n
     d = args.kv_channels or h // n
@@ -156,6 +187,8 @@ def _layer_activation_bytes_per_token(args) -> tuple[float, float]:
     if args.num_experts:
         ffn, k = args.moe_ffn_hidden_size or args.ffn_hidden_size, args.moe_router_topk
         mlp = 2 * k * (2 * h + 3 * ffn) + 2 * 2 * h  # dispatched, fc1 out (2·ffn), activation, fc2 out; norm, residual
+        if moe_act:
+            mlp -= 2 * k * ffn
     else:
         mlp = 2 * (h + 3 * args.ffn_hidden_size) + 2 * 2 * h
     return attention, mlp
@@ -278,12 +311,20 @@ def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: i
 
     tokens = a.seq_length * layout.micro_batch / layout.cp  # per GPU (sequence split by CP)
     layers = math.ceil(a.num_layers / layout.pp)
-    attention, mlp = _layer_activation_bytes_per_token(a)
+    attention, mlp = _layer_activation_bytes_per_token(a, layout.moe_act)
     per_layer = tokens * (attention / layout.tp + mlp)  # experts see whole tokens (expert-TP 1)
-    if a.num_experts:
+    layer_input = 2 * tokens * a.hidden_size / layout.tp
+    if not layout.recompute:
+        stored = layers * per_layer
+    elif layout.recompute_method == "uniform":  # every group's input, one group in flight
+        group = min(layout.recompute_layers, layers)
+        stored = math.ceil(layers / group) * layer_input + group * per_layer
+    else:  # block: the first N layers' inputs and the others whole; the block's backward comes last
+        block = min(layout.recompute_layers, layers)
+        stored = block * layer_input + max(layers - block, 1 if block else 0) * per_layer
+    if a.num_experts:  # the experts rebuild their stacked weights in backward: one layer's copy in flight
         local_experts = a.num_experts // layout.ep
-        per_layer += 2 * local_experts * 3 * a.hidden_size * (a.moe_ffn_hidden_size or a.ffn_hidden_size)
-    stored = layers * (2 * tokens * a.hidden_size / layout.tp) + per_layer if layout.recompute else layers * per_layer
+        stored += 2 * local_experts * 3 * a.hidden_size * (a.moe_ffn_hidden_size or a.ffn_hidden_size)
     # the first pipeline stage keeps the micro-batches in flight: up to PP of them
     plan.gpu_bytes["activations"] = stored * min(layout.pp, micro_batches(a, layout, gpus))
     if a.num_experts and layout.ep > 1:
@@ -308,23 +349,39 @@ def step_cost(args, layout: Layout, gpus: int) -> float:
     """Relative step time of a layout (lower is faster): see the module docstring."""
     cost = 1.0 / gpus
     if layout.recompute:
-        cost *= 4 / 3
+        layers = math.ceil(args.num_layers / layout.pp)
+        whole = layers if layout.recompute_method == "uniform" else min(layout.recompute_layers, layers)
+        cost *= 1 + whole / layers / 3
+    if layout.moe_act:
+        cost *= 1.01
     cost *= 1 + 0.1 * math.log2(layout.tp)
     return cost * (1 + (layout.pp - 1) / micro_batches(args, layout, gpus))
 
 
+def recompute_choices(args, pp: int):
+    """(recompute, method, layers) choices of --search: none, every layer, and block recompute of a
+    quarter, half and three quarters of a stage's layers."""
+    layers = math.ceil(args.num_layers / pp)
+    yield False, "uniform", 1
+    yield True, "uniform", 1
+    for block in sorted({max(1, layers * q // 4) for q in (1, 2, 3)} - {layers}):
+        yield True, "block", block
+
+
 def candidate_layouts(args, gpus: int, *, local_spec: bool):
     """The layouts --search tries: each one Megatron accepts (``layout_error``)."""
-    for tp, pp, ep, cp, recompute, mbs in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8), (1, 2),
-                                                          (False, True), (1, 2)):
-        layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp, recompute=recompute, micro_batch=mbs)
+    moe_act = (False, True) if args.num_experts else (False,)
+    for tp, pp, ep, cp, mbs, act in itertools.product((1, 2, 4, 8), (1, 2, 4), (1, 2, 4, 8), (1, 2), (1, 2), moe_act):
         # without TE: megatron-core refuses MoE training under TP without sequence parallelism, which its
         # local spec lacks, and its local attention (ours included) has no context parallelism; with
         # TE the layouts assume --sequence-parallel under TP
         if local_spec and cp > 1:
             continue
-        if layout_error(args, layout, gpus, sequence_parallel=not local_spec) is None:
-            yield layout
+        for recompute, method, recompute_layers in recompute_choices(args, pp):
+            layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp, recompute=recompute, micro_batch=mbs,
+                            recompute_method=method, recompute_layers=recompute_layers, moe_act=act)
+            if layout_error(args, layout, gpus, sequence_parallel=not local_spec) is None:
+                yield layout
 
 
 def format_plan(plan: Plan, gpu_memory: float, host_memory: float | None, gpus: int) -> str:
@@ -378,7 +435,9 @@ def plan_args(flags: list[str], gpus: int) -> tuple[argparse.Namespace, Layout]:
     args.global_batch_size = args.global_batch_size or gpus
     layout = Layout(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                     ep=args.expert_model_parallel_size, cp=args.context_parallel_size,
-                    recompute=args.recompute_granularity == "full", micro_batch=args.micro_batch_size or 1)
+                    recompute=args.recompute_granularity == "full", micro_batch=args.micro_batch_size or 1,
+                    recompute_method=args.recompute_method or "uniform", recompute_layers=args.recompute_num_layers or 1,
+                    moe_act=args.recompute_granularity is not None and "moe_act" in (args.recompute_modules or ()))
     problem = layout_error(args, layout, gpus)
     if problem:
         raise FlagError(f"Megatron cannot run this layout: {problem}")
@@ -430,7 +489,8 @@ def main(argv: list[str]) -> int:
         print(f"\nlayouts that fit ({len(fits)}), fastest first:" if fits else
               "\nno layout fits: more GPU or host memory, more nodes, or LoRA (see README)")
         for p in fits[:opts.top]:
-            print(f"  {p.layout.describe():40s} {p.total / GIB:6.1f} GiB/GPU"
+            print(f"  {p.layout.describe():48s} {p.total / GIB:6.1f} GiB/GPU"
                   + (f", host {p.host_bytes * opts.gpus / GIB:.0f} GiB" if p.host_bytes else "")
-                  + f", relative step time {step_cost(args, p.layout, opts.gpus) * opts.gpus:.2f}")
+                  + f", relative step time {step_cost(args, p.layout, opts.gpus) * opts.gpus:.2f}"
+                  + (f"  ({' '.join(p.layout.recompute_flags())})" if p.layout.recompute_flags() else ""))
     return 0
