@@ -88,8 +88,10 @@ TEACHER_LOGIT_STD = 5.5  # Gaussian logits over 201,088 ids: top-1 p ~0.4, top-1
 LOSSES = ("fused", "ce", "fused-ce", "dense")
 # --optimizer: the flags of each choice (megatron: what megatron-core builds from its own flags)
 OPTIMIZER_FLAGS = {"megatron": [], "fused": ["--kd-fused-adam"], "bf16-sr-8bit": ["--kd-optimizer", "bf16-sr-8bit"]}
-# the recipe's recompute flags, replaced by --recompute (flag -> number of values it takes)
-RECIPE_RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1}
+# the recipe's recompute and optimizer flags, replaced by --recompute / --recompute-modules / --optimizer
+# (flag -> number of values it takes; None: every value up to the next flag)
+RECIPE_RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
+                          "--recompute-modules": None, "--kd-fused-adam": 0, "--kd-optimizer": 1}
 # options that fix the model, the data and the cache: the call's, for every configuration of it
 SHARED_OPTIONS = ("size", "gpus", "rank_of", "layers", "experts", "seq", "global_batch_size", "iters", "timeout", "out")
 
@@ -228,7 +230,12 @@ def strip_flags(flags: list[str], drop: dict[str, int]) -> list[str]:
     out, i = [], 0
     while i < len(flags):
         if flags[i] in drop:
-            i += 1 + drop[flags[i]]
+            values, i = drop[flags[i]], i + 1
+            if values is None:  # a list flag: its values run up to the next flag
+                while i < len(flags) and not flags[i].startswith("--"):
+                    i += 1
+            else:
+                i += values
             continue
         out.append(flags[i])
         i += 1
