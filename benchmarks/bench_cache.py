@@ -3,6 +3,12 @@
     python benchmarks/bench_cache.py                       # K=100, V=201,088, 64 samples x 2048 tokens
     python benchmarks/bench_cache.py --samples 16 --seq-length 4096 --rows-per-shard 4,16
     python benchmarks/bench_cache.py --pool 1 --pool-dir /tmp/pools   # A/B of two checkouts: same data
+    python benchmarks/bench_cache.py --draws 16 --codecs topk-v1,sampled-counts-v1   # sampled caches
+
+Every cache is written once per codec (``--codecs``, default topk-v1 and topk-v2; with --draws,
+topk-v1 and sampled-counts-v1) from the same rows. ``--draws N`` makes sampled rows instead of
+top-K ones: N draws per token from the same teacher-like distribution, as the teacher pass stores
+them (distinct ids with log(count / N)). Real teacher rows: benchmarks/bench_cache_fidelity.py.
 
 Read rates (prefetch of every sample, the store in the page cache, best of --repeats): a fresh
 CacheReader's first pass (decoding plus the first-touch check of each shard file against its binding
@@ -39,48 +45,94 @@ def make_pool(args, zipf: float) -> list:
     so that A/B runs of two checkouts read the very same data."""
     file = None
     if args.pool_dir is not None:
-        file = args.pool_dir / f"pool-v{args.vocab}-k{args.topk}-s{args.seq_length}-n{args.pool}-zipf{zipf}.pt"
+        kind = f"d{args.draws}" if args.draws else f"k{args.topk}"
+        file = args.pool_dir / f"pool-v{args.vocab}-{kind}-s{args.seq_length}-n{args.pool}-zipf{zipf}.pt"
         if file.exists():
             return torch.load(file)
     torch.manual_seed(0)
-    pool = [teacher_topk(args.seq_length, args.vocab, args.topk, zipf=zipf) for _ in range(args.pool)]
+    make = sampled_rows if args.draws else teacher_topk
+    pool = [make(args.seq_length, args.vocab, args.draws or args.topk, zipf=zipf) for _ in range(args.pool)]
     if file is not None:
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(pool, file)
     return pool
 
 
-def run(args, zipf: float, rows_per_shard: int, workdir: Path) -> dict:
-    path = workdir / f"cache-zipf{zipf}-rps{rows_per_shard}"
+def sampled_rows(num_tokens: int, vocab: int, draws: int, *, zipf: float = 0.0):
+    """(ids [n, draws], log(count / draws) [n, draws]): ``draws`` draws per token from the
+    teacher-like distribution of ``teacher_topk``, distinct ids ascending, then padding."""
+    logits = torch.distributions.StudentT(torch.tensor(10.0)).sample((num_tokens, vocab)) * 2.0
+    if zipf:
+        logits -= zipf * torch.log1p(torch.arange(vocab, dtype=torch.float32))
+    picks = torch.multinomial(logits.softmax(-1), draws, replacement=True).sort(-1).values
+    ids = torch.full((num_tokens, draws), -1, dtype=torch.int64)
+    lps = torch.full((num_tokens, draws), float("-inf"))
+    for t in range(num_tokens):
+        u, c = torch.unique(picks[t], return_counts=True)
+        ids[t, :len(u)], lps[t, :len(u)] = u, torch.log(c.double() / draws).float()
+    return ids, lps
+
+
+def shard_bytes(path: Path) -> int:
+    """Bytes of the ids / logprobs shard files alone (no metadata, records or rows_done)."""
+    return sum(p.stat().st_size for name in ("ids", "logprobs") for p in path.glob(f"dp_*/{name}/c/**/*")
+               if p.is_file())
+
+
+def measure(path: Path, pool: list, *, vocab: int, k: int, seq_length: int, samples: int, rows_per_shard: int,
+            codec: str, draws: int = 0, repeats: int = 3) -> dict:
+    """Write ``samples`` samples (``pool`` reused cyclically) with ``codec``; bytes/token and rates."""
     shutil.rmtree(path, ignore_errors=True)
-    pool = make_pool(args, zipf)
+    meta = {"mode": "sampled", "sampled_draws": draws} if draws else {}
     t0 = time.perf_counter()
-    with CacheWriter(path, vocab_size=args.vocab, topk=args.topk, seq_length=args.seq_length,
-                     num_samples=args.samples, rows_per_shard=rows_per_shard) as w:
-        for s in range(args.samples):
+    with CacheWriter(path, vocab_size=vocab, topk=k, seq_length=seq_length, num_samples=samples,
+                     rows_per_shard=rows_per_shard, metadata=meta, codec=codec) as w:
+        for s in range(samples):
             w.write(s, *pool[s % len(pool)])
     write_s = time.perf_counter() - t0
-    tokens = args.samples * args.seq_length
+    tokens = samples * seq_length
     # per repeat: a fresh reader's first pass (each shard file checked against its binding record on
     # first touch), then a later pass of the same reader (a stat per file); best of --repeats, wall
     # clock and this process's CPU time (all threads: steadier than wall time on a shared machine)
     best = {"first": (float("inf"), float("inf")), "later": (float("inf"), float("inf"))}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         reader = CacheReader(path)
         for which in best:
             t0, c0 = time.perf_counter(), time.process_time()
-            n = sum(ids.shape[0] for _, ids, _ in reader.prefetch(range(args.samples)))
+            n = sum(ids.shape[0] for _, ids, _ in reader.prefetch(range(samples)))
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             best[which] = (min(best[which][0], wall), min(best[which][1], cpu))
     t0 = time.perf_counter()
     reader = CacheReader(path)
-    for s in range(args.samples):
+    for s in range(samples):
         reader.read(s)
     single_s = time.perf_counter() - t0
-    return {"zipf": zipf, "rows_per_shard": rows_per_shard, "bytes_per_token": store_bytes(path) / tokens,
+    return {"codec": codec, "rows_per_shard": rows_per_shard, "bytes_per_token": store_bytes(path) / tokens,
+            "shard_bytes_per_token": shard_bytes(path) / tokens,
             "write_tok_s": tokens / write_s, "first_tok_s": n / best["first"][0], "later_tok_s": n / best["later"][0],
             "first_tok_cpu_s": n / best["first"][1], "later_tok_cpu_s": n / best["later"][1],
             "read_one_by_one_tok_s": tokens / single_s}
+
+
+def run(args, zipf: float, rows_per_shard: int, codec: str, workdir: Path) -> dict:
+    path = workdir / f"cache-zipf{zipf}-rps{rows_per_shard}-{codec}"
+    r = measure(path, make_pool(args, zipf), vocab=args.vocab, k=args.draws or args.topk, seq_length=args.seq_length,
+                samples=args.samples, rows_per_shard=rows_per_shard, codec=codec, draws=args.draws,
+                repeats=args.repeats)
+    shutil.rmtree(path, ignore_errors=True)
+    return {"zipf": zipf, **r}
+
+
+def print_table(rows: list[dict], first: str = "ids") -> None:
+    print(f"\n{first:10} {'codec':18} {'rows/shard':>10} {'bytes/token':>12} {'shards B/tok':>12} {'write tok/s':>12} "
+          f"{'1st pass tok/s':>15} {'later tok/s':>12} {'1st tok/CPU-s':>14} {'later tok/CPU-s':>16} "
+          f"{'read(1) tok/s':>14}")
+    for r in rows:
+        label = r.get("label") or ("zipf(1)" if r.get("zipf") else "uniform")
+        print(f"{label:10} {r['codec']:18} {r['rows_per_shard']:>10} {r['bytes_per_token']:>12.1f} "
+              f"{r['shard_bytes_per_token']:>12.1f} {r['write_tok_s']:>12.3g} {r['first_tok_s']:>15.3g} "
+              f"{r['later_tok_s']:>12.3g} {r['first_tok_cpu_s']:>14.3g} {r['later_tok_cpu_s']:>16.3g} "
+              f"{r['read_one_by_one_tok_s']:>14.3g}")
 
 
 def main():
@@ -94,22 +146,22 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--pool-dir", type=Path, default=None, help="keep generated sample pools here and reuse them")
+    p.add_argument("--draws", type=int, default=0, help="sampled rows: this many draws per token (0: top-K rows)")
+    p.add_argument("--codecs", default=None, help="comma-separated codecs (default: topk-v1 and the mode's new one)")
     args = p.parse_args()
+    codecs = (args.codecs or ("topk-v1,sampled-counts-v1" if args.draws else "topk-v1,topk-v2")).split(",")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_cache_"))
-    print(f"torch threads {torch.get_num_threads()}, K={args.topk}, V={args.vocab}, "
+    print(f"torch threads {torch.get_num_threads()}, {f'{args.draws} draws' if args.draws else f'K={args.topk}'}, "
+          f"V={args.vocab}, "
           f"{args.samples} samples x {args.seq_length} tokens, workdir {workdir}")
     rows = []
     for zipf in (0.0, 1.0):
         for rps in map(int, args.rows_per_shard.split(",")):
-            r = run(args, zipf, rps, workdir)
-            rows.append(r)
-            print(r, flush=True)
-    print(f"\n{'ids':10} {'rows/shard':>10} {'bytes/token':>12} {'write tok/s':>12} {'1st pass tok/s':>15} "
-          f"{'later tok/s':>12} {'1st tok/CPU-s':>14} {'later tok/CPU-s':>16} {'read(1) tok/s':>14}")
-    for r in rows:
-        print(f"{'zipf(1)' if r['zipf'] else 'uniform':10} {r['rows_per_shard']:>10} {r['bytes_per_token']:>12.1f} "
-              f"{r['write_tok_s']:>12.3g} {r['first_tok_s']:>15.3g} {r['later_tok_s']:>12.3g} "
-              f"{r['first_tok_cpu_s']:>14.3g} {r['later_tok_cpu_s']:>16.3g} {r['read_one_by_one_tok_s']:>14.3g}")
+            for codec in codecs:
+                r = run(args, zipf, rps, codec, workdir)
+                rows.append(r)
+                print(r, flush=True)
+    print_table(rows)
     if args.workdir is None:
         shutil.rmtree(workdir, ignore_errors=True)
 

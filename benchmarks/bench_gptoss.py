@@ -190,14 +190,13 @@ def main():
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29611")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     cuda = torch.cuda.is_available() and not opts.tiny
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    from megatron_kd.distributed import init_process_group
+    init_process_group("nccl" if cuda else "gloo")
     if cuda:
         run(opts, device)
     else:  # the smoke run: megatron-core on the CPU through the test harness's patches

@@ -279,14 +279,14 @@ def main(argv=None):
     if opts.tiny:
         opts.seq, opts.reps = 64, 2
     opts.out.mkdir(parents=True, exist_ok=True)
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", "29613"), ("CUDA_DEVICE_MAX_CONNECTIONS", "1")):
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("CUDA_DEVICE_MAX_CONNECTIONS", "1")):
         os.environ.setdefault(key, value)
     cuda = torch.cuda.is_available() and not opts.tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    from megatron_kd.distributed import init_process_group
+    init_process_group("nccl" if cuda else "gloo")
     try:
         if cuda:
             run(opts, device)

@@ -224,9 +224,8 @@ def _single_rank_group():
     import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group("nccl", init_method=f"tcp://localhost:{_free_port()}", rank=0, world_size=1,
-                                device_id=torch.device("cuda", torch.cuda.current_device()))
+    from megatron_kd.distributed import init_process_group
+    init_process_group("nccl", device=torch.device("cuda", torch.cuda.current_device()))
     return dist.group.WORLD
 
 

@@ -90,10 +90,8 @@ def _init_process(device: torch.device, seed: int):
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    from megatron_kd.distributed import init_process_group
+    init_process_group("nccl" if device.type == "cuda" else "gloo")
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1)
     if device.type == "cuda":

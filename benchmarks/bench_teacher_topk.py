@@ -32,9 +32,8 @@ def main():
     p.add_argument("--breakdown", action="store_true", help="also time the steps of one 2048-token chunk")
     args = p.parse_args()
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29561")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    from megatron_kd.distributed import init_process_group
+    init_process_group("nccl")
     torch.cuda.set_device(0)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+from megatron_kd.distributed import init_process_group
 
 
 @dataclass
@@ -233,10 +234,7 @@ def check_memory(cfg: "DemoConfig", available: int | None = None) -> None:
 
 
 def _init_single_process():
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29400 + os.getpid() % 1000))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    init_process_group("gloo")
     from megatron.core import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():

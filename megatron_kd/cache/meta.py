@@ -29,7 +29,7 @@ ATTR_KEY = "megatron_kd"
 MODES = ("topk", "sampled")
 FINGERPRINTS = ("teacher_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint")
 # Keys a writer's ``metadata`` may set; anything else belongs under "extra".
-METADATA_KEYS = ("temperature", "mode", "sampled_draws", *FINGERPRINTS, "extra")
+METADATA_KEYS = ("temperature", "mode", "sampled_draws", "packing", *FINGERPRINTS, "extra")
 # Draw counts of sampled-counts-v1 are uint16.
 MAX_SAMPLED_DRAWS = (1 << 16) - 1
 # Integer fields and their smallest valid value.
@@ -59,6 +59,9 @@ class CacheMeta:
     """"topk": the K most likely ids; "sampled": ids drawn from the teacher, log(count / draws)."""
     sampled_draws: int = 0
     """Draws per token in sampled mode (0 in top-K mode)."""
+    packing: str = "none"
+    """How the teacher saw the documents packed into a sample (``megatron_kd.megatron.packing``'s
+    PACKING_MODES: "none", "documents", "positions", "documents+positions"); a student must pack alike."""
     teacher_fingerprint: str = ""
     tokenizer_fingerprint: str = ""
     dataset_fingerprint: str = ""
@@ -95,6 +98,8 @@ class CacheMeta:
         ident = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "complete"}
         if isinstance(ident["temperature"], int) and not isinstance(ident["temperature"], bool):
             ident["temperature"] = float(ident["temperature"])
+        if ident["packing"] == "none":  # stores built before packing was recorded keep their store_id
+            del ident["packing"]
         return ident
 
     @property
@@ -153,6 +158,11 @@ class CacheMeta:
             bad("temperature", "a positive number")
         if self.mode not in MODES:
             bad("mode", f"one of {MODES}")
+        if self.packing != "none":
+            from megatron_kd.megatron.packing import PACKING_MODES
+
+            if self.packing not in PACKING_MODES:
+                bad("packing", f"one of {PACKING_MODES}")
         for name in FINGERPRINTS:
             if not isinstance(getattr(self, name), str):
                 bad(name, "a string")

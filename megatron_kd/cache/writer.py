@@ -77,12 +77,12 @@ def _os_errors(where: Path):
                          f"free space there") from None
 
 
-def _stored_codec(path: Path) -> str | None:
-    """The codec of the store at ``path``; None where there is none yet."""
+def _stored_meta(path: Path) -> CacheMeta | None:
+    """The metadata of the store at ``path``; None where there is none yet."""
     if not os.path.lexists(path / "zarr.json"):
         return None
     with _os_errors(path):
-        return read_root_meta(path).codec
+        return read_root_meta(path)
 
 
 def _open_or_create_root(path: Path, meta: CacheMeta) -> tuple[zarr.Group, CacheMeta]:
@@ -134,7 +134,9 @@ class CacheWriter:
 
     ``codec`` (encodings.py): "topk-v1", "topk-v2" or "sampled-counts-v1"; None picks the codec of
     the store already at ``path`` (so a build started by another version resumes as it began),
-    else the mode's: sampled-counts-v1 for "sampled", topk-v2 for "topk".
+    else the mode's: sampled-counts-v1 for "sampled", topk-v2 for "topk". In sampled mode
+    sampled_draws defaults to ``topk`` (a teacher pass draws K per token), or to the existing
+    store's.
 
     After opening, ``repaired_samples`` holds the global indices of samples that rows_done listed
     as written but whose shard was not on disk as its binding record says (now pending again), and
@@ -160,8 +162,12 @@ class CacheWriter:
         self.rank = dp_rank
         self._lock = None
         mode = metadata.get("mode", "topk")
+        stored = _stored_meta(self.path)
         if codec is None:
-            codec = _stored_codec(self.path) or default_codec(mode)
+            codec = stored.codec if stored is not None else default_codec(mode)
+        if mode == "sampled" and not metadata.get("sampled_draws"):
+            # a teacher pass draws K per token (CaptureConfig.topk); a store of before may hold 0
+            metadata["sampled_draws"] = stored.sampled_draws if stored is not None else topk
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")
         if codec == SAMPLED_COUNTS_V1 and (mode != "sampled" or metadata.get("sampled_draws", 0) < 1):

@@ -34,7 +34,7 @@ class KDDataError(OneLineAcrossProcesses, CacheError):
 
 class KDDataset(torch.utils.data.Dataset):
     def __init__(self, base, cache_path: str, *, tokenizer, vocab_size: int | None = None,
-                 required_samples: int | None = None):
+                 required_samples: int | None = None, packing: str = "none"):
         self.base = base
         self.cache_path = str(cache_path)
         seq_length = base.config.sequence_length
@@ -43,6 +43,7 @@ class KDDataset(torch.utils.data.Dataset):
             "dataset_fingerprint": dataset_fingerprint(base),
             "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
             "vocab_size": int(vocab_size or tokenizer.vocab_size),
+            "packing": packing,  # DocumentPacking.mode: the teacher saw the documents as the student will
         }
         try:
             reader = CacheReader(self.cache_path, expect=self.expect)

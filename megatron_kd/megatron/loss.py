@@ -19,6 +19,7 @@ import torch
 
 from megatron_kd.megatron.args import KDConfig
 from megatron_kd.megatron.kd_data import get_kd_batch
+from megatron_kd.megatron.packing import DocumentPacking
 from megatron_kd.ops import fused_topk_kl, topk_kl_reference
 
 
@@ -87,12 +88,14 @@ class KDForwardStep:
     Batches without teacher tensors (training without a cache, validation) get the plain
     cross-entropy: through the same fused op (``ce_impl="fused"``: no [tokens x vocabulary] logits)
     or Megatron's output layer + cross-entropy (``"megatron"``). Counts tokens between calls to
-    report tokens/s.
+    report tokens/s. ``packing`` (``--reset-attention-mask`` / ``--reset-position-ids``) keeps the
+    documents of a sample apart: the model gets their ``packed_seq_params`` (packing.py).
     """
 
     def __init__(self, config: KDConfig, *, tp_group=None, cp_group=None, device=None,
-                 is_first_stage=lambda: True, is_last_stage=lambda: True):
+                 is_first_stage=lambda: True, is_last_stage=lambda: True, packing: DocumentPacking | None = None):
         self.config = config
+        self.packing = packing or DocumentPacking()
         # cross-entropy alone through the same fused op (batches without a teacher)
         self._ce_config = dataclasses.replace(config, weight=0.0, ce_weight=1.0, tail="none", divergence="forward",
                                               temperature=1.0, impl="fused")
@@ -112,13 +115,14 @@ class KDForwardStep:
         if not (first or last):  # middle pipeline stages take their input from the previous stage
             return model(None, None, None), partial(loss_func)
         batch = get_kd_batch(data_iterator, tp_group=self.tp_group, cp_group=self.cp_group, device=self.device)
+        batch, packed = self.packing.apply(batch)  # under TE's THD path, [b, s] tensors become [1, b·s]
         self.tokens_seen += batch["tokens"].numel()
         if not last:
-            return model(batch["tokens"], batch["position_ids"], None), partial(loss_func)
+            return model(batch["tokens"], batch["position_ids"], None, packed_seq_params=packed), partial(loss_func)
         if "teacher_ids" not in batch:
             if self.config.ce_impl == "megatron":
                 per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                                  loss_mask=batch["loss_mask"])
+                                  loss_mask=batch["loss_mask"], packed_seq_params=packed)
                 return per_token, partial(ce_loss_func, batch["loss_mask"])
             # the fused op with no teacher: one padded teacher entry per token, KD weight 0
             b, s = batch["tokens"].shape
@@ -127,10 +131,10 @@ class KDForwardStep:
                                                                          device=batch["tokens"].device))
             output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                            loss_mask=batch["loss_mask"], output_processor=kd_output_processor,
-                           output_processor_context=context)
+                           output_processor_context=context, packed_seq_params=packed)
             return output, fused_ce_loss_func
         context = KDContext(self.config, batch["teacher_ids"], batch["teacher_logprobs"])
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                        loss_mask=batch["loss_mask"], output_processor=kd_output_processor,
-                       output_processor_context=context)
+                       output_processor_context=context, packed_seq_params=packed)
         return output, partial(loss_func)

@@ -26,6 +26,7 @@ from megatron_kd.megatron.data import repair_index_cache
 from megatron_kd.megatron.hf_check import check_hf_dir
 from megatron_kd.megatron.kd_data import KDDataset
 from megatron_kd.megatron.loss import KDForwardStep
+from megatron_kd.megatron.packing import DocumentPacking, check_packing_flags
 from megatron_kd.models.gpt import gpt_model_from_args
 from megatron_kd.models.hf import hf_vocab_rows, init_from_hf
 from megatron_kd.optim.megatron import expand_optimizer_flags
@@ -116,7 +117,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     (train, valid, test), tokenizer = build_datasets(train_val_test_num_samples)
     if args.kd_cache and train is not None:
         train = KDDataset(train, args.kd_cache, tokenizer=tokenizer, vocab_size=tokenizer.vocab_size,
-                          required_samples=consumed_train_samples(args))
+                          required_samples=consumed_train_samples(args),
+                          packing=DocumentPacking.from_args(args, eod=tokenizer.eod).mode)
         print_rank_0(f"> distilling from {args.kd_cache}: K={train.meta.topk}, mode={train.meta.mode}, "
                      f"{train.meta.num_samples} samples")
     return train, valid, test
@@ -159,7 +161,7 @@ def _forward_step_impl():
     global _FORWARD
     if _FORWARD is None:
         from megatron.core import parallel_state
-        from megatron.training import get_args
+        from megatron.training import get_args, get_tokenizer
 
         args = get_args()
         _FORWARD = _LoggedForwardStep(
@@ -167,6 +169,7 @@ def _forward_step_impl():
             cp_group=parallel_state.get_context_parallel_group() if args.context_parallel_size > 1 else None,
             is_last_stage=parallel_state.is_pipeline_last_stage,
             is_first_stage=parallel_state.is_pipeline_first_stage,
+            packing=DocumentPacking.from_args(args, eod=get_tokenizer().eod),
         )
     return _FORWARD
 
@@ -222,6 +225,7 @@ def check_megatron_flags(argv: list[str]) -> argparse.Namespace:
     if missing:
         raise FlagError(f"missing required flags: {', '.join(missing)}")
     check_kd_flags(known)
+    check_packing_flags(known)
     tokenizer_dir = hf_tokenizer_dir(known) if known.tokenizer_model is None else None
     for flag, path in (("--kd-student-hf", known.kd_student_hf), ("--kd-teacher-hf", known.kd_teacher_hf)):
         if path:

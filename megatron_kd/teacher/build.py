@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_kd.cache import CacheError, CacheWriter
 from megatron_kd.cache.inspect import store_bytes
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
+from megatron_kd.megatron.packing import DocumentPacking
 from megatron_kd.teacher.capture import CaptureConfig, capture_teacher
 from megatron_kd.models.gpt_oss import is_gpt_oss
 from megatron_kd.teacher.fingerprint import hf_fingerprint, megatron_fingerprint
@@ -37,12 +38,12 @@ def _print_rank_0(line: str) -> None:
         print(line, flush=True)
 
 
-def _hf_teacher(path: str, tokenizer, device) -> HFTeacher:
+def _hf_teacher(path: str, tokenizer, device, packing: DocumentPacking | None = None) -> HFTeacher:
     import transformers
 
     fingerprint = hf_fingerprint(path, log=_print_rank_0)  # first: a directory without weights stops here
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).to(device)
-    teacher = HFTeacher(model, fingerprint=fingerprint)
+    teacher = HFTeacher(model, fingerprint=fingerprint, packing=packing)
     check_teacher_vocab(teacher.vocab_size, tokenizer, source=path)
     try:
         hf_vocab = transformers.AutoTokenizer.from_pretrained(path).get_vocab()
@@ -58,7 +59,7 @@ def _hf_teacher(path: str, tokenizer, device) -> HFTeacher:
     return teacher
 
 
-def _megatron_teacher(args, tokenizer) -> MegatronTeacher:
+def _megatron_teacher(args, tokenizer, packing: DocumentPacking | None = None) -> MegatronTeacher:
     """The teacher the model flags describe, from --load or (GPT-OSS) a Hugging Face directory."""
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
@@ -87,7 +88,7 @@ def _megatron_teacher(args, tokenizer) -> MegatronTeacher:
     check_teacher_vocab(args.padded_vocab_size, tokenizer, source=args.load or args.kd_teacher_hf)
     return MegatronTeacher(model[0].eval(), tp_group=parallel_state.get_tensor_model_parallel_group(),
                            sequence_parallel=args.sequence_parallel, vocab_size=tokenizer.vocab_size,
-                           fingerprint=fingerprint)
+                           fingerprint=fingerprint, packing=packing)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     # the student's splits; every rank of a model replica reads the samples it feeds the teacher
     sizes = list(get_train_valid_test_num_samples())
     (train, _, _), tokenizer = build_datasets(sizes, is_built_on_rank=lambda *a, **k: True)
+    # the student's --reset-attention-mask / --reset-position-ids: the teacher sees the documents alike
+    packing = DocumentPacking.from_args(args, eod=tokenizer.eod)
     # GPT-OSS teachers run as Megatron models (sharded by TP / EP), other HF teachers through transformers
-    teacher = _hf_teacher(args.kd_teacher_hf, tokenizer, device) if args.kd_teacher_hf and not is_gpt_oss(args) \
-        else _megatron_teacher(args, tokenizer)
+    teacher = _hf_teacher(args.kd_teacher_hf, tokenizer, device, packing) \
+        if args.kd_teacher_hf and not is_gpt_oss(args) else _megatron_teacher(args, tokenizer, packing)
 
     mode = args.kd_cache_mode
     k = (args.kd_samples or args.kd_topk) if mode == "sampled" else args.kd_topk
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             num_samples=consumed_train_samples(args), dp_rank=dp_rank, dp_size=dp_size,
             micro_batch_size=args.micro_batch_size,
             metadata={"temperature": args.kd_capture_temperature, "mode": mode,
-                      "sampled_draws": k if mode == "sampled" else 0,
+                      "sampled_draws": k if mode == "sampled" else 0, "packing": packing.mode,
                       "teacher_fingerprint": teacher.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                       "dataset_fingerprint": dataset_fingerprint(train)},
         )

@@ -194,8 +194,8 @@ _KILLABLE_PASS = textwrap.dedent("""
     import os, sys, time
     sys.path[:0] = {paths!r}
     import torch, torch.distributed as dist
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron_kd.distributed import init_process_group
+    init_process_group("gloo")
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(1)
     from megatron_kd.cache import CacheWriter
@@ -220,10 +220,9 @@ _KILLABLE_PASS = textwrap.dedent("""
 
 
 def _run_pass(tmp, path, mode, kill_after=None):
-    from dist_utils import free_port
 
     here = str(Path(__file__).parent)
-    script = _KILLABLE_PASS.format(paths=[here, str(Path(here).parent)], port=free_port(), tmp=str(tmp),
+    script = _KILLABLE_PASS.format(paths=[here, str(Path(here).parent)], tmp=str(tmp),
                                    path=str(path), mode=mode)
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     batches = 0

@@ -1,0 +1,210 @@
+"""Cache codecs on real teacher rows, and the sampled cache's draws against distillation quality.
+
+    python benchmarks/bench_cache_fidelity.py rows --size cpu --out /tmp/cache-rows
+    python benchmarks/bench_cache_fidelity.py rows --size cpu --out /tmp/cache-rows-8k \\
+        --set vocab=8192 --set corpus_bytes=3000000 --set bpe_bytes=3000000
+    python benchmarks/bench_cache_fidelity.py sweep --size cpu --out /tmp/cache-sweep
+    python benchmarks/bench_cache_fidelity.py sweep --size gpu --out runs/cache-sweep [--resume]
+
+``rows``: the fidelity benchmark's corpus, BPE and teacher (benchmarks/bench_fidelity.py, its
+preset and ``--set`` overrides), then its teacher pass (``capture_teacher``) over ``--rows`` of the
+student's samples, kept in memory: a top-K stream (``--topk``) and a sampled stream per number of
+draws (``--draws``). Each stream is written as a cache once per codec that can hold it (top-K:
+topk-v1, topk-v2; sampled: topk-v1, sampled-counts-v1) and measured as bench_cache.py measures
+(bytes/token of the whole store and of its shard files alone, write rate, read+decode rates of a
+fresh reader's first pass, of a later pass, and sample by sample). Unlike bench_cache.py's
+i.i.d. synthetic rows, neighbouring tokens here are a real LM's: their top-K sets overlap.
+
+``sweep``: bench_fidelity's run with the variants ce, online, sampled{N} for every N of
+``--draws`` and top100-renorm: one teacher, one student recipe and step count, a sampled cache of
+its own per N (written with the default codec, sampled-counts-v1). Reports held-out CE and
+KL(T||S) against online KD and against bytes/token on disk, and which configurations meet the
+issue's target (<= 40 bytes/token and held-out CE within 1% of online KD).
+
+OUT/rows.json, OUT/rows.md or OUT/sweep.json, OUT/sweep.md hold the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_cache  # noqa: E402
+import bench_fidelity as bf  # noqa: E402
+
+TOP_K_CODECS = ("topk-v1", "topk-v2")
+SAMPLED_CODECS = ("topk-v1", "sampled-counts-v1")
+TARGET_BYTES, TARGET_GAP = 40.0, 0.01
+
+
+class _Rows:
+    """Stands in for a CacheWriter in ``capture_teacher``: keeps what the teacher pass writes."""
+
+    def __init__(self, samples: int):
+        self.samples, self.ids, self.lps = samples, {}, {}
+
+    def pending_samples(self) -> np.ndarray:
+        return np.arange(self.samples)
+
+    def write(self, samples, ids, lps):
+        for i, s in enumerate(np.atleast_1d(samples)):
+            self.ids[int(s)], self.lps[int(s)] = ids[i].cpu().clone(), lps[i].cpu().float().clone()
+
+    def pool(self) -> list:
+        return [(self.ids[s], self.lps[s]) for s in range(self.samples)]
+
+
+def teacher_streams(bench: bf.Bench, rows: int, topk: int, draws: list[int]) -> dict:
+    """name -> (mode, K, pool of (ids, logprobs) per sample) from the bench's teacher pass."""
+    from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
+
+    teacher = MegatronTeacher(bf.Autocast(bench.teacher, bench.dtype), vocab_size=bench.vocab, fingerprint="rows")
+    out = {}
+    for mode, k in [("topk", topk), *(("sampled", n) for n in draws)]:
+        kept = _Rows(rows)
+        capture_teacher(teacher, bench.student_ds, kept,
+                        CaptureConfig(topk=k, mode=mode, micro_batch_size=bench.p.micro_batch_size, seed=bench.p.seed),
+                        device=bench.device, progress=False)
+        out[f"top{k}" if mode == "topk" else f"sampled{k}"] = (mode, k, kept.pool())
+    return out
+
+
+def run_rows(args, preset: bf.Preset, out: Path) -> dict:
+    bench = bf.Bench(preset, out, bf.default_device(), bf.autocast_dtype("auto", bf.default_device()), log)
+    if not (args.resume and bench.resume()):
+        shutil.rmtree(out / "work", ignore_errors=True)
+    bench.work.mkdir(parents=True, exist_ok=True)
+    bench.build_data()
+    bench.train_teacher()
+    rows = min(args.rows, preset.student_steps * preset.micro_batch_size)
+    t = time.perf_counter()
+    streams = teacher_streams(bench, rows, args.topk, args.draws)
+    log(f"teacher pass: {rows} samples x {preset.seq_length} tokens per stream, {time.perf_counter() - t:.0f} s")
+    results = {"preset": bench.results["preset"], "teacher": {k: bench.results["teacher"][k]
+                                                              for k in ("parameters", "steps", "heldout_ce")},
+               "vocab": bench.vocab, "rows": rows, "seq_length": preset.seq_length, "streams": {}}
+    for name, (mode, k, pool) in streams.items():
+        ids = torch.stack([p[0] for p in pool])
+        distinct = float((ids >= 0).sum(-1).double().mean())
+        entry = {"mode": mode, "k": k, "mean_entries": distinct, "codecs": {}}
+        for codec in (TOP_K_CODECS if mode == "topk" else SAMPLED_CODECS):
+            r = bench_cache.measure(bench.work / "measure" / f"{name}-{codec}", pool, vocab=bench.vocab, k=k,
+                                    seq_length=preset.seq_length, samples=rows, rows_per_shard=args.rows_per_shard,
+                                    codec=codec, draws=k if mode == "sampled" else 0, repeats=args.repeats)
+            entry["codecs"][codec] = r
+            log(f"{name} {codec}: {r['bytes_per_token']:.1f} bytes/token ({r['shard_bytes_per_token']:.1f} in shard "
+                f"files), read {r['later_tok_s']:.3g} tok/s (first pass {r['first_tok_s']:.3g})")
+        results["streams"][name] = entry
+    shutil.rmtree(bench.work / "measure", ignore_errors=True)
+    bench.tb.close()
+    return results
+
+
+def rows_markdown(r: dict) -> str:
+    p = r["preset"]
+    lines = [f"# Cache codecs on teacher rows (BPE {r['vocab']:,}, {r['rows']} x {r['seq_length']} tokens)", "",
+             f"Teacher {r['teacher']['parameters']:,} parameters, {r['teacher']['steps']} steps, held-out CE "
+             f"{r['teacher']['heldout_ce']:.4f}; preset corpus {p['corpus_bytes']:,} bytes.", "",
+             "| stream | entries/token | codec | bytes/token | shard files B/token | write tok/s | read tok/s "
+             "(later pass) | first pass | read(1 sample) |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for name, s in r["streams"].items():
+        for codec, c in s["codecs"].items():
+            lines.append(f"| {name} | {s['mean_entries']:.1f} | {codec} | {c['bytes_per_token']:.1f} | "
+                         f"{c['shard_bytes_per_token']:.1f} | {c['write_tok_s']:.3g} | {c['later_tok_s']:.3g} | "
+                         f"{c['first_tok_s']:.3g} | {c['read_one_by_one_tok_s']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def sweep_variants(draws: list[int]) -> list[str]:
+    return ["ce", "online", *(f"sampled{n}" for n in draws), "top100-renorm"]
+
+
+def sweep_summary(results: dict) -> dict:
+    v, caches = results["variants"], results["caches"]
+    online = v["online"]
+    rows = []
+    for name, r in v.items():
+        if r["kind"] not in ("sampled", "topk"):
+            continue
+        cache = caches[f"{'sampled' if r['kind'] == 'sampled' else 'top'}{r['k']}"]
+        gap = r["heldout_ce"] / online["heldout_ce"] - 1
+        rows.append({"variant": name, "bytes_per_token": cache["bytes_per_token"], "heldout_ce": r["heldout_ce"],
+                     "vs_online": gap, "heldout_kl": r["heldout_kl"], "kl_vs_online": r["heldout_kl"] / online["heldout_kl"] - 1,
+                     "meets": cache["bytes_per_token"] <= TARGET_BYTES and gap <= TARGET_GAP})
+    return {"online": {"heldout_ce": online["heldout_ce"], "heldout_kl": online["heldout_kl"]},
+            "ce_only": v.get("ce", {}).get("heldout_ce"), "rows": rows}
+
+
+def sweep_markdown(results: dict, summary: dict) -> str:
+    o = summary["online"]
+    lines = [f"# Sampled cache draws vs online KD ({results['device']}, preset {results['preset']['vocab']:,} BPE)", "",
+             f"Online full-vocabulary KD: held-out CE {o['heldout_ce']:.4f}, KL(T||S) {o['heldout_kl']:.4f}; CE only "
+             f"{summary['ce_only']:.4f}. Target: <= {TARGET_BYTES:.0f} bytes/token and CE within "
+             f"{TARGET_GAP:.0%} of online.", "",
+             "| variant | bytes/token | held-out CE | vs online | KL(T‖S) | KL vs online | target |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in summary["rows"]:
+        lines.append(f"| {r['variant']} | {r['bytes_per_token']:.1f} | {r['heldout_ce']:.4f} | {r['vs_online']:+.2%} | "
+                     f"{r['heldout_kl']:.4f} | {r['kl_vs_online']:+.1%} | {'met' if r['meets'] else ''} |")
+    return "\n".join(lines) + "\n"
+
+
+def log(msg: str):
+    print(msg, flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("rows", "sweep"))
+    parser.add_argument("--size", choices=sorted(bf.PRESETS), default="cpu")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a preset field (bench_fidelity)")
+    parser.add_argument("--draws", default="8,16,32,64,128", help="sampled caches: draws per token")
+    parser.add_argument("--topk", type=int, default=100, help="rows: K of the top-K stream")
+    parser.add_argument("--rows", type=int, default=128, help="rows: samples per stream")
+    parser.add_argument("--rows-per-shard", type=int, default=32, help="rows: samples per shard file")
+    parser.add_argument("--repeats", type=int, default=3, help="rows: read passes (best of)")
+    parser.add_argument("--resume", action="store_true", help="continue a stopped run in --out (same settings)")
+    args = parser.parse_args(argv)
+    try:
+        args.draws = [int(x) for x in args.draws.split(",") if x.strip()]
+        preset = replace(bf.PRESETS[args.size], **bf.preset_overrides(args.set))
+    except ValueError as e:
+        parser.error(str(e))
+    args.out.mkdir(parents=True, exist_ok=True)
+    from megatron_kd.demo import _init_single_process
+
+    if bf.default_device().type == "cpu":
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if args.what == "rows":
+        _init_single_process()
+        if bf.default_device().type == "cuda":
+            from megatron.core import tensor_parallel
+
+            tensor_parallel.model_parallel_cuda_manual_seed(preset.seed)
+        results = run_rows(args, preset, args.out)
+        (args.out / "rows.json").write_text(json.dumps(results, indent=1))
+        (args.out / "rows.md").write_text(rows_markdown(results))
+        print(rows_markdown(results))
+        return 0
+    results = bf.run(args.size, args.out / "fidelity", sweep_variants(args.draws), log=log, resume=args.resume,
+                     **bf.preset_overrides(args.set))
+    summary = sweep_summary(results)
+    (args.out / "sweep.json").write_text(json.dumps({"summary": summary, "caches": results["caches"]}, indent=1))
+    (args.out / "sweep.md").write_text(sweep_markdown(results, summary))
+    print(sweep_markdown(results, summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
