@@ -24,6 +24,8 @@ setup(
         "megatron-core>=0.19,<0.20",
         "zarr>=3",
         "numcodecs",
+        # the cache's shard and teacher-weight checksums (CRC32C)
+        "google-crc32c",
         "numpy",
         "tqdm",
         "matplotlib",

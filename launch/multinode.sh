@@ -12,6 +12,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$_root"
 : "${NNODES:?set NNODES (number of nodes)}" "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" \
   "${MASTER_ADDR:?set MASTER_ADDR (the host of node rank 0)}"
-exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS" \
+exec "${TORCHRUN[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS" \
   --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-megatron-kd}}" \
   -m megatron_kd.cli "$@"

@@ -191,7 +191,8 @@ def test_complete_hf_dirs_pass(hf_template, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA")
-@pytest.mark.parametrize("command", [["train"], ["cache", "build", "--kd-cache", "/tmp/unused"]])
+@pytest.mark.parametrize("command", [["train"], ["cache", "build", "--kd-cache", "/tmp/unused"],
+                                     ["export-hf", "--out", "/tmp/unused", "--load", "/tmp"]])
 def test_no_cuda_is_one_line_after_the_flag_check(command, capsys, monkeypatch):
     assert main([*command, *MODEL]) == 2
     name = " ".join(c for c in command if not c.startswith("/") and not c.startswith("--"))
@@ -199,6 +200,8 @@ def test_no_cuda_is_one_line_after_the_flag_check(command, capsys, monkeypatch):
         f"megatron-kd: error: megatron-kd {name} needs CUDA GPUs and this machine has none "
         "(torch.cuda.is_available() is False): launch it on a GPU node with torchrun (launch/torchrun.sh); "
         "megatron-kd plan sizes a run on CPU")
+    if command[0] == "export-hf":  # one process at tensor-parallel size 1 whatever the flags say
+        return
     # tensor parallelism: Megatron-LM's validation asks the GPU's architecture; that is the same line
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it
     assert main([*command, *MODEL, "--tensor-model-parallel-size", "2"]) == 2

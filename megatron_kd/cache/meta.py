@@ -113,6 +113,8 @@ class CacheMeta:
 
     def to_attrs(self) -> dict:
         attrs = asdict(self)
+        if attrs["packing"] == "none":  # absent means unpacked: stores of before are written as they were
+            del attrs["packing"]
         attrs["partitions"] = self.partitions()
         attrs["store_id"] = self.store_id
         return attrs

@@ -27,7 +27,7 @@ def main(argv: list[str]) -> int:
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import get_model
 
-    from megatron_kd.megatron.train import model_provider, parse_megatron_args
+    from megatron_kd.megatron.train import model_provider, parse_megatron_args, require_cuda
     from megatron_kd.models.gpt_oss import ModelConfigError, gpt_oss_hf_config
     from megatron_kd.models.hf import export_hf_weights, hf_vocab_rows
 
@@ -40,6 +40,7 @@ def main(argv: list[str]) -> int:
     args = parse_megatron_args(megatron_argv)
     if args.load is None:
         raise ModelConfigError("export-hf needs the student's checkpoint: --load CKPT_DIR")
+    require_cuda("export-hf")  # before Megatron's initialization asserts it
     initialize_megatron()
     saved = load_args_from_checkpoint(argparse.Namespace(**vars(args)))
     saved_args = saved[1] if isinstance(saved, tuple) else None

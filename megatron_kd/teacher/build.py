@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                       "teacher_fingerprint": teacher.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                       "dataset_fingerprint": dataset_fingerprint(train)},
         )
+        for reason in writer.repairs:  # rows_done claimed rows whose shard is not on disk as recorded
+            print(f"teacher cache {args.kd_cache}: {reason}; computing those samples again", flush=True)
     summary = capture_teacher(teacher, train, writer,
                               CaptureConfig(topk=k, mode=mode, temperature=args.kd_capture_temperature,
                                             micro_batch_size=args.micro_batch_size, seed=args.seed,
