@@ -7,6 +7,8 @@ full-vocabulary student learns, and what does each cache choice cost?
     python benchmarks/bench_fidelity.py --size gpu --set teacher_steps=2000 --set student=4,256,4 ...
     python benchmarks/bench_fidelity.py --size gpu --out runs/divergences --divergence-ablation \
         --variants ce,online,top100-renorm,sampled                  # + reverse / jsd on both caches
+    python benchmarks/bench_fidelity.py --size cpu --out /tmp/packing --packing-ablation \
+        --variants ce,online,top32-renorm,sampled       # documents kept apart vs attending across
 
 End to end, nothing precomputed:
 
@@ -49,6 +51,22 @@ End to end, nothing precomputed:
    costs: reading the batch and its teacher rows, forward, backward, optimizer, and for ``online``
    the teacher's forward.
 
+Packed documents (``--packing``, ``--packing-ablation``). GPTDataset packs documents back to back
+into each sample. ``--packing MODE`` runs teacher and students alike with Megatron-LM's
+--reset-attention-mask / --reset-position-ids as megatron_kd implements them (``DocumentPacking``
+applied to every batch: the teacher's training and held-out metric, its teacher passes, whose caches
+record the mode, and every student, offline ones through ``KDForwardStep(packing=)``); the default
+"none" lets attention cross documents, positions running through the sample. ``--packing-ablation``
+runs the whole benchmark twice over the same data (the second setting reuses the first's
+tokenizer), "none" and "documents+positions", and compares the models on whole held-out documents
+(``--document-eval``, on in the ablation): each document evaluated on its own from its first token,
+one document per row, so cross-document context favours neither setting; a document longer than
+seq_length tokens is cut into windows of seq_length tokens every seq_length/2, each window scoring
+only the predictions the one before it did not reach (``document_windows``). The loss mask is the
+same in both settings (no --eod-mask-loss). results.json then holds {"packing_ablation": [modes],
+"settings": {mode: the run's results}}; results.md a side-by-side table (a "packing" column), then
+each run's tables.
+
 Training uses megatron_kd.demo's loop (AdamW, warm-up + cosine). Batches are read in order by a
 DataLoader (sample i·b .. (i+1)·b - 1 at step i+1, as ``demo.batch_at`` reads them), with worker
 processes on GPU machines so that decoding teacher rows overlaps the step, as in Megatron training.
@@ -84,6 +102,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_kd.megatron.packing import PACKING_MODES, DocumentPacking
 from megatron_kd.ops import DIVERGENCES, TAILS
 
 EOD, PAD = "<eod>", "<pad>"
@@ -428,15 +447,18 @@ def kl_and_ce(student_logits, teacher_logits, labels, mask):
 
 
 @torch.no_grad()
-def heldout_metrics(model, dataset, batch_size: int, device: torch.device, teacher=None) -> dict:
-    """Mean held-out cross-entropy (and KL(teacher || model)) per token, fp32, in nats."""
+def heldout_metrics(model, dataset, batch_size: int, device: torch.device, teacher=None,
+                    packing: DocumentPacking | None = None) -> dict:
+    """Mean held-out cross-entropy (and KL(teacher || model)) per token, fp32, in nats. ``packing``:
+    the documents of each sample as the models were trained to see them (None: attention crosses)."""
     was_training = model.training
     model.eval()
     ce = kl = count = 0.0
     for batch in torch.utils.data.DataLoader(dataset, batch_size=batch_size):
-        b = _to(batch, device)
-        logits = model(b["tokens"], b["position_ids"], None)
-        teacher_logits = None if teacher is None else teacher(b["tokens"], b["position_ids"], None)
+        b, packed = (packing or DocumentPacking()).apply(_to(batch, device))
+        logits = model(b["tokens"], b["position_ids"], None, packed_seq_params=packed)
+        teacher_logits = None if teacher is None else teacher(b["tokens"], b["position_ids"], None,
+                                                              packed_seq_params=packed)
         kl_sum, ce_sum = kl_and_ce(logits, teacher_logits, b["labels"], b["loss_mask"])
         ce, count = ce + float(ce_sum), count + float(b["loss_mask"].sum())
         kl += 0.0 if kl_sum is None else float(kl_sum)
@@ -444,29 +466,91 @@ def heldout_metrics(model, dataset, batch_size: int, device: torch.device, teach
     return {"ce": ce / count, **({} if teacher is None else {"kl": kl / count})}
 
 
+def document_windows(documents: list[list[int]], length: int, stride: int, pad: int) -> list[dict]:
+    """Rows that score every prediction of each document exactly once, each row one document on
+    its own from position 0 (nothing of another document in any row, so it does not matter how a
+    model treats packed documents).
+
+    A document (its token ids, end-of-document last) of n tokens has n - 1 predictions (each token
+    from those before it, the end-of-document included). One of up to ``length`` + 1 tokens is one
+    row; a longer one is cut into windows of ``length`` inputs starting every ``stride`` tokens,
+    and a window scores only the predictions the window before it did not reach, so each scored
+    token sees at least ``length - stride + 1`` tokens of its document (or all before it). Rows are
+    padded to ``length`` with ``pad`` (loss mask 0); GPTDataset's keys, position_ids 0 ..
+    length - 1."""
+    if not 0 < stride <= length:
+        raise ValueError(f"stride must be in 1 .. {length}, got {stride}")
+    rows = []
+    for doc in documents:
+        n, start, scored = len(doc), 0, 0  # scored: the last label index already scored
+        while scored < n - 1:
+            end = min(start + length, n - 1)  # inputs doc[start:end], labels doc[start + 1:end + 1]
+            width = end - start
+            tokens = torch.full((length,), pad, dtype=torch.int64)
+            labels = torch.full((length,), pad, dtype=torch.int64)
+            tokens[:width] = torch.tensor(doc[start:end])
+            labels[:width] = torch.tensor(doc[start + 1:end + 1])
+            mask = torch.zeros(length)
+            mask[:width] = (torch.arange(start + 1, end + 1) > scored).float()
+            rows.append({"tokens": tokens, "labels": labels, "loss_mask": mask,
+                         "position_ids": torch.arange(length)})
+            scored, start = end, start + stride
+    return rows
+
+
+def packing_of(mode: str, eod: int | None) -> DocumentPacking:
+    """The product's ``DocumentPacking`` for a ``PACKING_MODES`` entry."""
+    if mode not in PACKING_MODES:
+        raise ValueError(f"packing {mode!r}: one of {', '.join(PACKING_MODES)}")
+    parts = mode.split("+")
+    return DocumentPacking(documents="documents" in parts, positions="positions" in parts,
+                           eod=None if mode == "none" else eod)
+
+
 # ----------------------------------------------------------------------------------------------
 # the benchmark
 
 
 class Bench:
-    """One run: the corpus, the teacher, its caches and the students, stage by stage."""
+    """One run: the corpus, the teacher, its caches and the students, stage by stage.
 
-    def __init__(self, preset: Preset, out: Path, device: torch.device, dtype: torch.dtype | None, log):
+    ``packing`` (a ``PACKING_MODES`` entry): how the teacher (its training, its held-out metric,
+    its teacher passes, recorded in the caches) and the students treat the documents packed into a
+    sample, through the product's ``DocumentPacking`` and the model's attention paths, as
+    ``megatron-kd train`` with ``--reset-attention-mask`` / ``--reset-position-ids`` does; "none":
+    attention crosses documents, positions run through the sample. ``document_eval``: every
+    model's held-out metrics also on whole held-out documents, each on its own from its first token
+    (``document_windows``; results keys ``heldout_doc_ce`` / ``heldout_doc_kl``). ``tag``: another
+    run in the same ``out`` (its own work directory, partial results and TensorBoard logs)."""
+
+    def __init__(self, preset: Preset, out: Path, device: torch.device, dtype: torch.dtype | None, log, *,
+                 packing: str = "none", document_eval: bool = False, tag: str = ""):
         self.p, self.out, self.device, self.dtype = preset, out, device, dtype
-        self.work = out / "work"
+        self.work = out / "work" / tag if tag else out / "work"
+        self.partial = out / (f"results.partial.{tag}.json" if tag else "results.partial.json")
+        self.tensorboard = out / "tensorboard" / tag if tag else out / "tensorboard"
         self._log, self._t0 = log, time.perf_counter()
+        self.packing_mode = packing_of(packing, 0).mode  # checked here; the EOD id comes with the tokenizer
+        self.packing = DocumentPacking()  # build_data sets the run's once the tokenizer is known
         self.results: dict = {"preset": asdict(preset), "device": str(device), "autocast": str(dtype),
                               "stages": {}, "caches": {}, "variants": {}}
+        if packing != "none":
+            self.results["packing"] = self.packing_mode
+        if document_eval:
+            # documents longer than the context: windows of seq_length tokens every half of it
+            self.results["document_eval"] = {"window": preset.seq_length, "stride": max(1, preset.seq_length // 2)}
         self.caches: dict[str, Path] = {}
 
     def resume(self) -> bool:
         """Take over what a stopped run with the same preset finished (results.partial.json and
         OUT/work: the teacher's weights, complete caches); returns whether there was such a run."""
-        partial = self.out / "results.partial.json"
+        partial = self.partial
         if not partial.exists():
             return False
         done = json.loads(partial.read_text())
-        if done.get("preset") != json.loads(json.dumps(self.results["preset"])):
+        same = {key: self.results.get(key) for key in ("packing", "document_eval")}
+        if done.get("preset") != json.loads(json.dumps(self.results["preset"])) or \
+                {key: done.get(key) for key in same} != json.loads(json.dumps(same)):
             self.log(f"{partial} is from other settings: starting afresh")
             return False
         self.results = done
@@ -481,7 +565,7 @@ class Bench:
         stages = self.results["stages"]
         stages[name] = round(stages.get(name, 0.0) + seconds, 2)
         # what is done so far, so that a run stopped by a time limit still leaves its numbers
-        (self.out / "results.partial.json").write_text(json.dumps(self.results, indent=1))
+        self.partial.write_text(json.dumps(self.results, indent=1))
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -504,6 +588,7 @@ class Bench:
             self.work.mkdir(parents=True, exist_ok=True)
             self.tok.tokenizer.save(str(saved))
         self.vocab = self.tok.vocab_size
+        self.packing = packing_of(self.packing_mode, self.tok.eod)
         counts = {"train": [0], "heldout": [0]}
         prefixes = {split: write_indexed_dataset(self.work / "data" / split, _encoded(self.tok, docs, counts[split]),
                                                  self.vocab)
@@ -511,7 +596,7 @@ class Bench:
         corpus = {"train_documents": len(train_docs), "train_bytes": sum(map(len, train_docs)),
                   "train_tokens": counts["train"][0], "heldout_documents": len(heldout_docs),
                   "heldout_bytes": sum(map(len, heldout_docs)), "heldout_tokens": counts["heldout"][0],
-                  "vocab_size": self.vocab}
+                  "vocab_size": self.vocab, "tokenizer_sha256": self.tok.unique_identifiers["sha256"]}
         self.results["corpus"] = corpus
         self.log(f"corpus: {corpus['train_documents']:,} training documents ({corpus['train_bytes'] / 1e6:.1f} MB, "
                  f"{corpus['train_tokens']:,} tokens), {corpus['heldout_documents']:,} held out "
@@ -529,10 +614,36 @@ class Bench:
         eval_samples = min(p.eval_samples, (corpus["heldout_tokens"] - 1) // p.seq_length)
         self.heldout_ds = dataset("heldout", eval_samples)
         self.results["corpus"]["heldout_samples"] = eval_samples
+        if "document_eval" in self.results:
+            self.heldout_rows = self._document_rows(heldout_docs, eval_samples * p.seq_length)
         self.stage("corpus, tokenizer, datasets", time.perf_counter() - t)
 
+    def _document_rows(self, docs: list[str], budget: int) -> list[dict]:
+        """``document_windows`` of the first whole held-out documents holding ``budget`` predictions."""
+        window, stride = self.results["document_eval"]["window"], self.results["document_eval"]["stride"]
+        chosen, predictions = [], 0
+        for ids in _encoded(self.tok, docs, [0]):
+            if predictions >= budget:
+                break
+            chosen.append(ids)
+            predictions += len(ids) - 1
+        rows = document_windows(chosen, window, stride, self.tok.pad)
+        lengths = sorted(len(ids) for ids in chosen)
+        self.results["corpus"]["heldout_document_eval"] = {
+            "documents": len(chosen), "predictions": predictions, "rows": len(rows),
+            "longer_than_window": sum(n - 1 > window for n in lengths), "median_tokens": lengths[len(lengths) // 2],
+            "max_tokens": lengths[-1]}
+        self.log(f"whole-document held-out set: {len(chosen)} documents ({predictions:,} predictions, median "
+                 f"{lengths[len(lengths) // 2]} tokens), {len(rows)} rows of {window} tokens, stride {stride}")
+        return rows
+
     def heldout(self, model, teacher=None) -> dict:
-        return heldout_metrics(model, self.heldout_ds, self.p.eval_batch_size, self.device, teacher)
+        return heldout_metrics(model, self.heldout_ds, self.p.eval_batch_size, self.device, teacher, self.packing)
+
+    def heldout_documents(self, model, teacher=None) -> dict:
+        """Held-out metrics on whole documents, each alone from its first token (no packing needed:
+        one document per row)."""
+        return heldout_metrics(model, self.heldout_rows, self.p.eval_batch_size, self.device, teacher)
 
     # -- teacher ----------------------------------------------------------------------------------
 
@@ -542,7 +653,7 @@ class Bench:
         from megatron_kd.demo import DemoConfig, train_loop
 
         p = self.p
-        self.tb = SummaryWriter(str(self.out / "tensorboard"))
+        self.tb = SummaryWriter(str(self.tensorboard))
         self.teacher = gpt(p.teacher, self.vocab, p.seq_length, p.seed, self.device)
         n = sum(x.numel() for x in self.teacher.parameters())
         weights = self.work / "teacher.pt"
@@ -561,7 +672,7 @@ class Bench:
             if (step - 1) % p.teacher_eval_interval == 0 and step > 1:  # after step - 1 updates
                 heldout_curve.append((step - 1, self.heldout(model)["ce"]))
                 self.log(f"  teacher held-out cross-entropy after {step - 1} steps: {heldout_curve[-1][1]:.4f}")
-            return self._ce_step(amp, _to(next(batches), self.device))
+            return self._ce_step(amp, _to(next(batches), self.device), self.packing)
 
         t = time.perf_counter()
         curve = train_loop("teacher", self.teacher, p.teacher_steps, step_fn,
@@ -581,12 +692,17 @@ class Bench:
                                    "curve": curve}
         self.log(f"teacher: held-out cross-entropy {final:.4f} ({late['gain']:+.2%} since step {since}), "
                  f"{seconds:.0f} s")
+        if "document_eval" in self.results:
+            self.results["teacher"]["heldout_doc_ce"] = self.heldout_documents(self.teacher)["ce"]
+            self.log(f"teacher: whole-document held-out cross-entropy {self.results['teacher']['heldout_doc_ce']:.4f}")
         self.stage("teacher training", seconds)
 
     @staticmethod
-    def _ce_step(amp, batch):
-        """Megatron's own language-model loss: per-token cross-entropy from labels."""
-        losses = amp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    def _ce_step(amp, batch, packing: DocumentPacking | None = None):
+        """Megatron's own language-model loss: per-token cross-entropy from labels; ``packing``: the
+        documents of each sample kept apart as ``KDForwardStep`` keeps them."""
+        batch, packed = (packing or DocumentPacking()).apply(batch)
+        losses = amp(batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed)
         mask = batch["loss_mask"]
         loss = (losses.float() * mask).sum()
         return loss, mask.sum(), {"ce loss": torch.stack([loss.detach(), mask.sum()])}
@@ -601,8 +717,9 @@ class Bench:
         from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
 
         teacher = MegatronTeacher(Autocast(self.teacher, self.dtype), vocab_size=self.vocab,
-                                  fingerprint=f"bench-fidelity-teacher-{self.results['teacher']['parameters']}")
-        meta = {"mode": mode, "sampled_draws": k if mode == "sampled" else 0,
+                                  fingerprint=f"bench-fidelity-teacher-{self.results['teacher']['parameters']}",
+                                  packing=self.packing)
+        meta = {"mode": mode, "sampled_draws": k if mode == "sampled" else 0, "packing": self.packing.mode,
                 "teacher_fingerprint": teacher.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(self.tok),
                 "dataset_fingerprint": dataset_fingerprint(self.student_ds)}
         shutil.rmtree(path, ignore_errors=True)
@@ -614,7 +731,8 @@ class Bench:
                                                     seed=self.p.seed),
                                       device=self.device, progress=False)
         tokens, size = samples * self.p.seq_length, store_bytes(path)
-        return {"mode": mode, "k": k, "samples": samples, "tokens": tokens, "bytes": size,
+        packed = {} if self.packing.mode == "none" else {"packing": self.packing.mode}
+        return {"mode": mode, "k": k, **packed, "samples": samples, "tokens": tokens, "bytes": size,
                 "bytes_per_token": size / tokens, "mean_teacher_mass": summary["mean_teacher_mass"],
                 "seconds": round(time.perf_counter() - t, 2)}
 
@@ -670,15 +788,16 @@ class Bench:
         from megatron_kd.megatron.loss import KDForwardStep
 
         if v.kind == "ce":
-            return lambda model, step: self._ce_step(Autocast(model, self.dtype), _to(next(batches), self.device))
+            return lambda model, step: self._ce_step(Autocast(model, self.dtype), _to(next(batches), self.device),
+                                                     self.packing)
         if v.kind == "online":
             teacher = Autocast(self.teacher, self.dtype)
 
             def online(model, step):
-                b = _to(next(batches), self.device)
+                b, packed = self.packing.apply(_to(next(batches), self.device))
                 with torch.no_grad():
-                    teacher_logits = teacher(b["tokens"], b["position_ids"], None)
-                logits = Autocast(model, self.dtype)(b["tokens"], b["position_ids"], None)
+                    teacher_logits = teacher(b["tokens"], b["position_ids"], None, packed_seq_params=packed)
+                logits = Autocast(model, self.dtype)(b["tokens"], b["position_ids"], None, packed_seq_params=packed)
                 kl, ce = kl_and_ce(logits, teacher_logits, b["labels"], b["loss_mask"])
                 tokens = b["loss_mask"].sum()
                 pair = lambda x: torch.stack([x.detach(), tokens])  # noqa: E731
@@ -687,7 +806,7 @@ class Bench:
             return online
         # offline: exactly the forward step and loss function of `megatron-kd train`
         forward_step = KDForwardStep(KDConfig(tail=v.tail, ce_weight=v.ce_weight, divergence=v.divergence,
-                                              jsd_beta=v.jsd_beta), device=self.device)
+                                              jsd_beta=v.jsd_beta), device=self.device, packing=self.packing)
 
         def offline(model, step):
             output, loss_fn = forward_step(iter([next(batches)]), Autocast(model, self.dtype))
@@ -704,7 +823,7 @@ class Bench:
         p = self.p
         dataset = self.student_ds if v.cache is None else KDDataset(
             self.student_ds, str(self.caches[v.cache]), tokenizer=self.tok,
-            required_samples=p.student_steps * p.micro_batch_size)
+            required_samples=p.student_steps * p.micro_batch_size, packing=self.packing.mode)
         batches = ordered_batches(dataset, p.student_steps, p.micro_batch_size, workers=p.workers, device=self.device)
         model = gpt(p.student, self.vocab, p.seq_length, p.seed + 1, self.device)  # the same start for all
         step_fn, starts = self._step_fn(v, batches), []
@@ -726,9 +845,14 @@ class Bench:
         self.results["variants"][v.name] = {
             **asdict(v), "heldout_ce": metrics["ce"], "heldout_kl": metrics["kl"],
             "seconds_per_step": per_step, "bytes_per_token": cache.get("bytes_per_token"), "curve": curve}
+        whole = ""
+        if "document_eval" in self.results:
+            docs = self.heldout_documents(model, teacher=self.teacher)
+            self.results["variants"][v.name].update(heldout_doc_ce=docs["ce"], heldout_doc_kl=docs["kl"])
+            whole = f"; whole documents: cross-entropy {docs['ce']:.4f}, KL {docs['kl']:.4f}"
         self.stage("students (training + held-out)", time.perf_counter() - t)  # saved: a resume skips it
-        self.log(f"{v.name}: held-out cross-entropy {metrics['ce']:.4f}, KL(teacher||student) {metrics['kl']:.4f}, "
-                 f"{1e3 * per_step:.1f} ms/step")
+        self.log(f"{v.name}: held-out cross-entropy {metrics['ce']:.4f}, KL(teacher||student) {metrics['kl']:.4f}"
+                 f"{whole}, {1e3 * per_step:.1f} ms/step")
 
     def best_tail(self) -> str:
         """The tail whose plain (forward KL, ce_weight 0) top-K variants have the lowest mean held-out CE."""
@@ -796,17 +920,37 @@ def goals(results: dict) -> dict:
 
 
 def write_markdown(results: dict, path: Path):
+    path.write_text("\n".join(markdown_lines(results)))
+
+
+def _document_eval_line(results: dict) -> str:
+    d, e = results["corpus"]["heldout_document_eval"], results["document_eval"]
+    return (f"Whole-document held-out metric: the first {d['documents']} held-out documents ({d['predictions']:,} "
+            f"predictions; median {d['median_tokens']} tokens, longest {d['max_tokens']:,}), each evaluated on its own "
+            f"from its first token; the {d['longer_than_window']} longer than {e['window']} predictions in windows of "
+            f"{e['window']} tokens every {e['stride']}, each window scoring only what the one before it did not reach "
+            f"(so every token is predicted from its own document alone, at least {e['window'] - e['stride'] + 1} "
+            f"tokens of it or all before it).")
+
+
+def markdown_lines(results: dict, heading: str = "#") -> list[str]:
+    """results.md of one run (``heading``: the Markdown level of its title)."""
     v, t, corpus = results["variants"], results["teacher"], results["corpus"]
     ce_only, online = v.get("ce", {}).get("heldout_ce"), v.get("online", {}).get("heldout_ce")
     rel = lambda x, ref: "" if ref is None else f"{x / ref - 1:+.2%}"  # noqa: E731
     late = t["late_heldout_gain"]
+    docs = "document_eval" in results
+    packing = results.get("packing", "none")
     lines = [
-        f"# Distillation fidelity ({results['device']}, autocast {results['autocast']})", "",
+        f"{heading} Distillation fidelity ({results['device']}, autocast {results['autocast']}"
+        + (f", packing {packing_of(packing, 0).describe()}" if packing != "none" else "") + ")", "",
         (f"Corpus: {corpus['train_documents']:,} documents, {corpus['train_tokens']:,} training tokens; held out "
          f"{corpus['heldout_documents']:,} documents, evaluated on {corpus['heldout_samples']} x "
          f"{results['preset']['seq_length']} tokens. BPE vocabulary {corpus['vocab_size']:,}."),
         (f"Teacher: {t['parameters']:,} parameters, {t['steps']} steps, held-out CE {t['heldout_ce']:.4f} nats/token "
-         f"({late['gain']:+.2%} since step {late['since_step']})."), "",
+         f"({late['gain']:+.2%} since step {late['since_step']})"
+         + (f"; on whole documents {t['heldout_doc_ce']:.4f}." if docs else ".")), "",
+        *([_document_eval_line(results), ""] if docs else []),
         ("Caches: one teacher pass each, written with its own K (or number of draws); bytes/token = store size / "
          "cached tokens; teacher mass = mean probability per token the cache holds."), "",
         "| cache | mode | K / draws | bytes/token | teacher mass | teacher pass (s) |",
@@ -816,13 +960,15 @@ def write_markdown(results: dict, path: Path):
         "",
         ("Students: held-out cross-entropy (CE) and full-vocabulary KL(teacher || student), nats/token; ms/step: "
          "steady-state wall time of one training step, data included."), "",
-        "| variant | cache bytes/token | held-out CE | vs CE-only | vs online | held-out KL(T‖S) | ms/step |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | cache bytes/token | held-out CE | vs CE-only | vs online | held-out KL(T‖S) | ms/step |"
+        + (" whole-doc CE | whole-doc KL(T‖S) |" if docs else ""),
+        "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if docs else ""),
     ]
     for name, r in v.items():
         bpt = "" if r["bytes_per_token"] is None else f"{r['bytes_per_token']:.1f}"
         lines.append(f"| {name} | {bpt} | {r['heldout_ce']:.4f} | {rel(r['heldout_ce'], ce_only)} | "
-                     f"{rel(r['heldout_ce'], online)} | {r['heldout_kl']:.4f} | {1e3 * r['seconds_per_step']:.1f} |")
+                     f"{rel(r['heldout_ce'], online)} | {r['heldout_kl']:.4f} | {1e3 * r['seconds_per_step']:.1f} |"
+                     + (f" {r['heldout_doc_ce']:.4f} | {r['heldout_doc_kl']:.4f} |" if docs else ""))
     g = results["goals"]
     lines.append("")
     if "best_top100_vs_online" in g:
@@ -843,7 +989,59 @@ def write_markdown(results: dict, path: Path):
         lines.append(f"- Best tail (lowest mean held-out CE of the plain top-K variants): {results['best_tail']}")
     stages = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in results["stages"].items())
     lines += ["", f"Stage times: {stages}; total {results['seconds']:.0f} s (summed over resumed calls).", ""]
-    path.write_text("\n".join(lines))
+    return lines
+
+
+PACKING_ABLATION = ("none", "documents+positions")  # attention across documents (today's default), kept apart
+
+
+def packing_ablation_lines(results: dict) -> list[str]:
+    """results.md of ``--packing-ablation``: both settings side by side, then each run in full."""
+    modes, settings = results["packing_ablation"], results["settings"]
+    first = settings[modes[0]]
+    ref = lambda r: r["heldout_doc_ce"]  # noqa: E731
+    rel = lambda x, y: "" if y is None else f"{x / y - 1:+.2%}"  # noqa: E731
+    lines = [
+        f"# Packing ablation: documents kept apart vs attention across them ({results['device']}, autocast "
+        f"{results['autocast']})", "",
+        ("The same benchmark twice over the same corpus, tokenizer, samples, order, steps and initializations; "
+         "only how the teacher (its training, its held-out metric, its teacher passes, which the caches record) "
+         "and every student treat the documents packed into a sample differ, through megatron_kd's "
+         "DocumentPacking and the model's attention paths as `megatron-kd train` runs them:"),
+        *(f"- {mode}: {packing_of(mode, 0).describe()}" + (
+            ": attention crosses documents, positions run through the sample" if mode == "none" else
+            ": attention within each document, positions restart at each" if mode == "documents+positions" else "")
+          for mode in modes), "",
+        _document_eval_line(first),
+        ("The loss mask is the same in both settings (the benchmark's GPTDataset has eod_mask_loss off: the "
+         "prediction made at an end-of-document token counts in training in both)."), "",
+        f"Whole-document held-out metrics, nats/token; '{modes[-1]} − {modes[0]}': the change in whole-document CE.", "",
+        f"| model | packing | whole-doc CE | vs CE-only | vs online | whole-doc KL(T‖S) | {modes[-1]} − {modes[0]} "
+        "| held-out windows CE (own packing) | ms/step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    names = ["teacher", *dict.fromkeys(n for mode in modes for n in settings[mode]["variants"])]
+    for name in names:
+        for mode in modes:
+            run = settings[mode]
+            r = run["teacher"] if name == "teacher" else run["variants"].get(name)
+            if r is None:
+                continue
+            other = settings[modes[0]]["teacher"] if name == "teacher" else settings[modes[0]]["variants"].get(name)
+            delta = f"{ref(r) - ref(other):+.4f}" if mode != modes[0] and other is not None else ""
+            ce_only, online = (run["variants"].get(k, {}).get("heldout_doc_ce") for k in ("ce", "online"))
+            kl = "" if name == "teacher" else f"{r['heldout_doc_kl']:.4f}"
+            ms = "" if name == "teacher" else f"{1e3 * r['seconds_per_step']:.1f}"
+            vs = ("", "") if name == "teacher" else (rel(ref(r), ce_only), rel(ref(r), online))
+            lines.append(f"| {name} | {mode} | {ref(r):.4f} | {vs[0]} | {vs[1]} | {kl} | {delta} | "
+                         f"{r['heldout_ce']:.4f} | {ms} |")
+    lines += ["", "Held-out windows CE: the benchmark's usual metric (seq_length windows of the concatenated held-out "
+              "split), each model run with its own packing: not comparable across the settings (windows start "
+              "inside documents; kept apart, a model sees less context there).", ""]
+    for mode in modes:
+        lines += markdown_lines(settings[mode], heading="##")
+    lines += [f"Total {results['seconds']:.0f} s (both settings, summed over resumed calls).", ""]
+    return lines
 
 
 def plot(results: dict, path: Path):
@@ -908,11 +1106,37 @@ def autocast_dtype(dtype: str, device: torch.device) -> torch.dtype | None:
 
 
 def run(size: str, out: str | Path, variants: list[str] | None = None, *, dtype: str = "auto", log=print,
-        resume: bool = False, **overrides) -> dict:
+        resume: bool = False, packing: str = "none", document_eval: bool = False, packing_ablation: bool = False,
+        **overrides) -> dict:
     """The whole benchmark; returns results.json's content. ``overrides`` replace preset fields;
-    ``resume`` continues a stopped run in ``out`` with the same settings where it stopped."""
-    from megatron_kd.demo import _init_single_process
+    ``resume`` continues a stopped run in ``out`` with the same settings where it stopped.
+    ``packing``: how teacher and students treat packed documents (``Bench``); ``document_eval``:
+    held-out metrics on whole documents too; ``packing_ablation``: the run once per
+    ``PACKING_ABLATION`` setting, whole-document metrics in both (``run_packing_ablation``)."""
+    if packing_ablation:
+        if packing != "none":
+            raise ValueError("the packing ablation runs every setting of PACKING_ABLATION: leave packing out")
+        return run_packing_ablation(size, out, variants, dtype=dtype, log=log, resume=resume, **overrides)
+    preset, chosen, device, autocast, out = _setup(size, out, variants, dtype, overrides)
+    bench = Bench(preset, out, device, autocast, log, packing=packing, document_eval=document_eval)
+    if not (resume and bench.resume()):
+        shutil.rmtree(out / "work", ignore_errors=True)  # datasets and caches are rebuilt
+        shutil.rmtree(out / "tensorboard", ignore_errors=True)
+        (out / "results.partial.json").unlink(missing_ok=True)
+    _start_process(preset, device)
 
+    results = bench.run(chosen)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.partial.json").unlink(missing_ok=True)
+    write_markdown(results, out / "results.md")
+    plot(results, out / "curves.png")
+    shutil.rmtree(out / "work")
+    bench.log(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'curves.png'}")
+    return results
+
+
+def _setup(size: str, out, variants, dtype: str, overrides: dict):
+    """(preset, variants, device, autocast dtype, out directory, made) of a run."""
     preset = replace(PRESETS[size], **overrides)
     chosen = [parse_variant(name) for name in (variants or DEFAULT_VARIANTS)]
     if len({v.name for v in chosen}) != len(chosen):
@@ -923,11 +1147,12 @@ def run(size: str, out: str | Path, variants: list[str] | None = None, *, dtype:
         torch.set_num_threads(max(1, os.cpu_count() or 1))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    bench = Bench(preset, out, device, autocast, log)
-    if not (resume and bench.resume()):
-        shutil.rmtree(out / "work", ignore_errors=True)  # datasets and caches are rebuilt
-        shutil.rmtree(out / "tensorboard", ignore_errors=True)
-        (out / "results.partial.json").unlink(missing_ok=True)
+    return preset, chosen, device, autocast, out
+
+
+def _start_process(preset: Preset, device: torch.device):
+    from megatron_kd.demo import _init_single_process
+
     _init_single_process()
     if device.type == "cuda":  # megatron-core's CUDA RNG tracker, seeded as Megatron-LM seeds it
         from megatron.core import tensor_parallel
@@ -936,13 +1161,43 @@ def run(size: str, out: str | Path, variants: list[str] | None = None, *, dtype:
     # the DataLoader workers are forked after the tokenizer ran its thread pool, and never use it
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
 
-    results = bench.run(chosen)
+
+def run_packing_ablation(size: str, out: str | Path, variants: list[str] | None = None, *, dtype: str = "auto",
+                         log=print, resume: bool = False, **overrides) -> dict:
+    """The benchmark once per ``PACKING_ABLATION`` setting (teacher, caches and students alike),
+    over the same data: the first setting's tokenizer is the second's (each setting has its own
+    OUT/work/packing-MODE, results.partial.packing-MODE.json and tensorboard/packing-MODE, so
+    ``resume`` continues either). Every model is also evaluated on whole held-out documents, each on
+    its own (``document_windows``): the metric that favours neither setting. Returns results.json's
+    content: {"packing_ablation": the settings, "settings": {mode: that run's results}, ...}."""
+    preset, chosen, device, autocast, out = _setup(size, out, variants, dtype, overrides)
+    benches = [Bench(preset, out, device, autocast, log, packing=mode, document_eval=True, tag=f"packing-{mode}")
+               for mode in PACKING_ABLATION]
+    if not resume:
+        shutil.rmtree(out / "work", ignore_errors=True)
+    for bench in benches:
+        if not (resume and bench.resume()):
+            shutil.rmtree(bench.work, ignore_errors=True)
+            shutil.rmtree(bench.tensorboard, ignore_errors=True)
+            bench.partial.unlink(missing_ok=True)
+    _start_process(preset, device)
+    settings, first = {}, benches[0].work / "tokenizer.json"
+    for bench in benches:
+        if bench is not benches[0] and not (bench.work / "tokenizer.json").exists():  # the same data in both
+            bench.work.mkdir(parents=True, exist_ok=True)
+            shutil.copy(first, bench.work / "tokenizer.json")
+        bench.log(f"packing ablation: setting {bench.packing_mode!r} ({packing_of(bench.packing_mode, 0).flags()})")
+        settings[bench.packing_mode] = bench.run(chosen)
+    results = {"preset": asdict(preset), "device": str(device), "autocast": str(autocast),
+               "packing_ablation": list(PACKING_ABLATION), "settings": settings,
+               "seconds": round(sum(r["seconds"] for r in settings.values()), 1)}
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.partial.json").unlink(missing_ok=True)
-    write_markdown(results, out / "results.md")
-    plot(results, out / "curves.png")
+    (out / "results.md").write_text("\n".join(packing_ablation_lines(results)))
+    for bench in benches:
+        plot(settings[bench.packing_mode], out / f"curves-packing-{bench.packing_mode}.png")
+        bench.partial.unlink(missing_ok=True)
     shutil.rmtree(out / "work")
-    bench.log(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'curves.png'}")
+    benches[-1].log(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out}/curves-packing-*.png")
     return results
 
 
@@ -958,6 +1213,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--divergence-ablation", action="store_true",
                         help="add reverse KL and JSD (beta 0.5) to every top-100 and sampled variant of the run: "
                              "the same cached support, another divergence")
+    parser.add_argument("--packing", choices=PACKING_MODES, default="none",
+                        help="how teacher and students treat the documents packed into a sample: Megatron-LM's "
+                             "--reset-attention-mask (documents) / --reset-position-ids (positions) as megatron_kd "
+                             "implements them (default: none, attention crosses documents)")
+    parser.add_argument("--document-eval", action="store_true",
+                        help="also evaluate every model on whole held-out documents, each on its own from its first "
+                             "token (heldout_doc_ce / heldout_doc_kl)")
+    parser.add_argument("--packing-ablation", action="store_true",
+                        help="run the benchmark twice over the same data, documents attending across (none) and "
+                             "kept apart (documents+positions), teacher and students alike; whole-document "
+                             "held-out metrics in both")
     parser.add_argument("--resume", action="store_true",
                         help="continue a run stopped in --out (same settings): keeps its teacher, caches and "
                              "finished students")
@@ -972,9 +1238,12 @@ def main(argv: list[str] | None = None) -> int:
             variants = with_divergence_ablation(variants)
         autocast_dtype(args.dtype, default_device())
         overrides = preset_overrides(args.set)
+        if args.packing_ablation and args.packing != "none":
+            raise ValueError("--packing-ablation runs both settings: leave out --packing")
     except ValueError as e:
         parser.error(str(e))
     run(args.size, args.out, variants, dtype=args.dtype, log=lambda m: print(m, flush=True), resume=args.resume,
+        packing=args.packing, document_eval=args.document_eval, packing_ablation=args.packing_ablation,
         **overrides)
     print(Path(args.out, "results.md").read_text())
     return 0

@@ -10,6 +10,7 @@ second student and finished with ``resume=True``, which must keep the teacher, t
 finished students and train only the last one.
 """
 
+import math
 import sys
 from pathlib import Path
 
@@ -45,3 +46,49 @@ def test_distilled_students_beat_cross_entropy_on_held_out_text(tmp_path):
           + ", ".join(f"{name} {ce:.4f}" for name, ce in heldout.items()), "(held-out nats/token)")
     for name in KD_VARIANTS:
         assert heldout[name] < heldout["ce"], heldout
+
+
+# the CPU preset shrunk to seconds: short documents (at most 1.5 kB), so many samples hold a boundary
+TINY = dict(corpus_bytes=60_000, max_file_bytes=1_500, heldout_percent=10, bpe_bytes=60_000, vocab=300,
+            seq_length=64, teacher=bench_fidelity.Arch(2, 32, 2), teacher_steps=8, teacher_micro_batch_size=8,
+            teacher_eval_interval=4, student=bench_fidelity.Arch(1, 32, 2), student_steps=4, micro_batch_size=4,
+            eval_samples=16, eval_batch_size=16, calibration_samples=4, log_interval=2)
+
+
+def test_document_windows_score_every_prediction_once_from_its_own_document():
+    docs = [list(range(10, 10 + n)) for n in (2, 9, 10, 11, 30)]  # predictions: n - 1 each
+    rows = bench_fidelity.document_windows(docs, length=8, stride=3, pad=0)
+    scored = [(int(t), int(l)) for r in rows for t, l, m in zip(r["tokens"], r["labels"], r["loss_mask"]) if m]
+    # each (input, label) pair of each document exactly once: ids are consecutive within a document
+    expected = [(doc[i], doc[i + 1]) for doc in docs for i in range(len(doc) - 1)]
+    assert sorted(scored) == sorted(expected)
+    for r in rows:
+        tokens = [int(t) for t in r["tokens"] if t]
+        # one document per row, consecutive ids from position 0 on; a scored token sees >= 8 - 3 + 1 of it
+        assert tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+        first = int(r["loss_mask"].nonzero()[0])
+        assert first == 0 or first >= 8 - 3, r
+
+
+def test_packing_ablation_reports_both_settings_on_whole_documents(tmp_path):
+    logs = []
+    results = bench_fidelity.run("cpu", tmp_path, ["ce", "online", "top8-renorm"], log=logs.append,
+                                 packing_ablation=True, **TINY)
+    settings = results["settings"]
+    assert list(settings) == ["none", "documents+positions"] == results["packing_ablation"]
+    apart, across = settings["documents+positions"], settings["none"]
+    # the same data and the same whole-document set in both
+    assert apart["corpus"] == across["corpus"]
+    assert apart["corpus"]["heldout_document_eval"]["documents"] >= 2
+    assert apart["packing"] == "documents+positions" and "packing" not in across
+    assert apart["caches"]["top8"]["packing"] == "documents+positions" and "packing" not in across["caches"]["top8"]
+    for run in settings.values():
+        assert math.isfinite(run["teacher"]["heldout_doc_ce"])
+        for name in ("ce", "online", "top8-renorm"):
+            r = run["variants"][name]
+            assert math.isfinite(r["heldout_doc_ce"]) and math.isfinite(r["heldout_doc_kl"]) and r["heldout_doc_kl"] >= 0
+    # packing reached the teacher: kept apart, it is another model (the same start, the same batches)
+    assert apart["teacher"]["heldout_doc_ce"] != across["teacher"]["heldout_doc_ce"]
+    md = (tmp_path / "results.md").read_text()
+    assert "| top8-renorm | documents+positions |" in md and "| top8-renorm | none |" in md, md
+    assert not (tmp_path / "work").exists()
