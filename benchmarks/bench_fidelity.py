@@ -927,7 +927,7 @@ def _document_eval_line(results: dict) -> str:
     d, e = results["corpus"]["heldout_document_eval"], results["document_eval"]
     return (f"Whole-document held-out metric: the first {d['documents']} held-out documents ({d['predictions']:,} "
             f"predictions; median {d['median_tokens']} tokens, longest {d['max_tokens']:,}), each evaluated on its own "
-            f"from its first token; the {d['longer_than_window']} longer than {e['window']} predictions in windows of "
+            f"from its first token; the {d['longer_than_window']} with more than {e['window']} predictions in windows of "
             f"{e['window']} tokens every {e['stride']}, each window scoring only what the one before it did not reach "
             f"(so every token is predicted from its own document alone, at least {e['window'] - e['stride'] + 1} "
             f"tokens of it or all before it).")
@@ -1008,14 +1008,15 @@ def packing_ablation_lines(results: dict) -> list[str]:
          "only how the teacher (its training, its held-out metric, its teacher passes, which the caches record) "
          "and every student treat the documents packed into a sample differ, through megatron_kd's "
          "DocumentPacking and the model's attention paths as `megatron-kd train` runs them:"),
-        *(f"- {mode}: {packing_of(mode, 0).describe()}" + (
+        *(f"- {mode} ({packing_of(mode, 0).flags()})" + (
             ": attention crosses documents, positions run through the sample" if mode == "none" else
             ": attention within each document, positions restart at each" if mode == "documents+positions" else "")
           for mode in modes), "",
         _document_eval_line(first),
         ("The loss mask is the same in both settings (the benchmark's GPTDataset has eod_mask_loss off: the "
          "prediction made at an end-of-document token counts in training in both)."), "",
-        f"Whole-document held-out metrics, nats/token; '{modes[-1]} − {modes[0]}': the change in whole-document CE.", "",
+        (f"Whole-document held-out metrics, nats/token; KL(T‖S) against the teacher of the same setting; "
+         f"'{modes[-1]} − {modes[0]}': the change in whole-document CE."), "",
         f"| model | packing | whole-doc CE | vs CE-only | vs online | whole-doc KL(T‖S) | {modes[-1]} − {modes[0]} "
         "| held-out windows CE (own packing) | ms/step |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
