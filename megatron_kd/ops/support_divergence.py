@@ -72,12 +72,12 @@ def support_terms(z_s: torch.Tensor, teacher: ChunkTeacher, rs: RowStats, temper
     return SupportTerms(big_q=big_q, g=g, sums=sums)
 
 
-def ghost_rest(mass: torch.Tensor, student_mass: torch.Tensor, divergence: str, beta: float):
-    """(f_r, g_r) of the ghost tail's rest outcome, P_r = 1 - M (floored inside logarithms at
-    GHOST_REST_FLOOR), Q_r = 1 - Q_S (at least the dtype's tiny)."""
-    rest_p = (1.0 - mass).clamp_min(0.0)
+def ghost_rest(rest_p: torch.Tensor, student_rest: torch.Tensor, divergence: str, beta: float):
+    """(f_r, g_r) of the ghost tail's rest outcome: P_r = max(1 - M, 0) (``ChunkTeacher.rest_mass``,
+    floored inside logarithms at GHOST_REST_FLOOR), Q_r = 1 - Q_S (``RowStats.student_rest``, at least
+    the dtype's tiny). Both come summed from their own terms, not as 1 minus a sum over S."""
     log_rest_p = rest_p.clamp_min(GHOST_REST_FLOOR).log()
-    rest_q = (1.0 - student_mass).clamp_min(_tiny(student_mass))
+    rest_q = student_rest.clamp_min(_tiny(student_rest))
     log_rest_q = rest_q.log()
     if divergence == "reverse":
         g_r = log_rest_q - log_rest_p
@@ -94,7 +94,7 @@ def support_losses(sums: torch.Tensor, teacher: ChunkTeacher, rs: RowStats, tail
     total_f, total_h = sums[:, SUM_DIVERGENCE], sums[:, SUM_GRADIENT]
     if tail == "renorm":
         return total_f, torch.zeros_like(total_f), total_h
-    f_r, g_r = ghost_rest(teacher.mass, rs.student_mass, divergence, beta)
+    f_r, g_r = ghost_rest(teacher.rest_mass, rs.student_rest, divergence, beta)
     return total_f + f_r, -(total_h - rs.student_mass * g_r), g_r
 
 

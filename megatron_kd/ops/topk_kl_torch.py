@@ -28,9 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-# Statistics exchanged across tensor-parallel ranks, one row per token.
-ROW_MAX, ROW_SUMEXP_T, ROW_SUMEXP_1, ROW_TARGET_DOT, ROW_TEACHER_SUMEXP, ROW_LABEL_LOGIT = range(6)
-NUM_ROW_STATS = 6
+# Statistics exchanged across tensor-parallel ranks, one row per token. ROW_REST_SUMEXP (ghost tail
+# only, 0 otherwise) is the sum of exp((z - m)/τ) outside the teacher entries, summed from its own
+# terms: 1 - Q_S formed as Σ_V - Σ_S would be off by eps·Q_S/(1 - Q_S) where the student puts nearly
+# all its mass on S. (With an id listed twice, each listing is an outcome: the repeats are
+# subtracted, as 1 - Σ_S q_v does.)
+(ROW_MAX, ROW_SUMEXP_T, ROW_SUMEXP_1, ROW_TARGET_DOT, ROW_TEACHER_SUMEXP, ROW_LABEL_LOGIT,
+ ROW_REST_SUMEXP) = range(7)
+NUM_ROW_STATS = 7
 
 
 @dataclass
@@ -43,6 +48,8 @@ class ChunkTeacher:
     const: torch.Tensor  # [c] C
     lse_coef: torch.Tensor  # [c] A
     mass: torch.Tensor  # [c] M (top-K mass of the tempered teacher, = cached mass)
+    # [c] the ghost tail's teacher rest P_r = max(1 - M, 0), formed in float64 (None for other tails)
+    rest_mass: torch.Tensor | None
     # [c, K] log P_v on owned entries, 0 elsewhere (renorm: log(p/M), ghost: log p); divergences other
     # than "forward" only (support_divergence.py), None otherwise
     log_target: torch.Tensor | None = None
@@ -65,16 +72,22 @@ def teacher_terms(
     divergence: str = "forward",
 ) -> ChunkTeacher:
     neg_inf = float("-inf")
+    rest_mass = None
     lp = logprobs.to(dtype)
     valid = (ids >= 0) & (lp > neg_inf)
     lp = lp.masked_fill(~valid, neg_inf)
+    # M (and 1 - M) in float64 from the cached log-probs: where the entries hold nearly all the
+    # mass, 1 - M is a difference of nearly equal numbers, and each p_v rounded in fp32 would leave
+    # it eps32/(1 - M) wrong (rows with 1 - M ~ 1e-7 are common at K = 100). Once per call, [T, K];
+    # tempering keeps M, so it is the untempered sum, as in the reference.
+    mass64 = logprobs.to(torch.float64, copy=True).masked_fill_(~valid, neg_inf).exp_().sum(-1)  # not in place
+    mass = mass64.to(dtype)
     if temperature != 1.0:
         # Temper the shape inside S, keep its mass: lp/τ - lse_S(lp/τ) + log M.
         log_mass = torch.logsumexp(lp, dim=-1, keepdim=True)
         lp_t = lp / temperature
         lp = (lp_t - torch.logsumexp(lp_t, dim=-1, keepdim=True) + log_mass).masked_fill(~valid, neg_inf)
     p = lp.exp()  # 0 on padding
-    mass = p.sum(-1)
     p_log_p = torch.where(valid, p * lp, 0.0).sum(-1)
 
     if tail == "renorm":
@@ -89,8 +102,8 @@ def teacher_terms(
         const = p_log_p
         lse_coef = mass
         if tail == "ghost":
-            tail_mass = (1.0 - mass).clamp_min(0.0)  # cached masses may round a hair above 1
-            const = const + torch.xlogy(tail_mass, tail_mass)
+            rest_mass = (1.0 - mass64).clamp_min_(0.0).to(dtype)  # cached masses may round a hair above 1
+            const = const + torch.xlogy(rest_mass, rest_mass)
 
     local = ids.long() - vocab_start
     owned = valid & (local >= 0) & (local < vocab_local)
@@ -107,6 +120,7 @@ def teacher_terms(
         const=const,
         lse_coef=lse_coef,
         mass=mass,
+        rest_mass=rest_mass,
         log_target=log_target,
     )
 
@@ -140,13 +154,32 @@ def local_row_stats_(
     if temperature != 1.0:
         e.mul_(1.0 / temperature)
     e.exp_()
-    stats[:, ROW_SUMEXP_T] = e.sum(-1)
+    e_s = e.gather(1, teacher.local_idx) * teacher.owned  # the block's own values at the entries
+    if teacher.rest_mass is None:
+        stats[:, ROW_SUMEXP_T] = e.sum(-1)
+    else:  # ghost: the sum outside S (S's columns zeroed, summed, put back), then the whole row
+        e.scatter_reduce_(1, teacher.local_idx, 1.0 - teacher.owned, "prod")
+        rest = e.sum(-1)
+        e.scatter_reduce_(1, teacher.local_idx, e_s, "amax")  # e >= 0: the unowned entries' 0 change nothing
+        repeat = repeated_entries(teacher.local_idx, teacher.owned)
+        repeats = torch.where(repeat, e_s, 0.0).sum(-1)
+        stats[:, ROW_SUMEXP_T] = rest + torch.where(repeat, 0.0, e_s).sum(-1)
+        stats[:, ROW_REST_SUMEXP] = rest - repeats
     if label_idx is not None:
         # exp(z - m) = e^τ; the τ = 1 sum is the one above.
         stats[:, ROW_SUMEXP_1] = e.pow(temperature).sum(-1) if temperature != 1.0 else stats[:, ROW_SUMEXP_T]
     stats[:, ROW_TARGET_DOT] = (teacher.target_owned * z_s).sum(-1)
-    stats[:, ROW_TEACHER_SUMEXP] = (teacher.owned * ((z_s - row_max.unsqueeze(1)) / temperature).exp()).sum(-1)
+    stats[:, ROW_TEACHER_SUMEXP] = e_s.sum(-1)
     return stats, z_s
+
+
+def repeated_entries(local_idx: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+    """[c, K] True at an owned entry whose column an earlier owned entry of its row already names."""
+    k = local_idx.shape[1]
+    own = owned != 0
+    same = (local_idx.unsqueeze(2) == local_idx.unsqueeze(1)) & own.unsqueeze(1)
+    earlier = torch.ones(k, k, dtype=torch.bool, device=local_idx.device).tril_(-1)
+    return own & (same & earlier).any(-1)
 
 
 @dataclass
@@ -159,6 +192,7 @@ class RowStats:
     lse_1: torch.Tensor | None  # [c] logsumexp(z), when labels are given
     target_dot: torch.Tensor  # [c] Σ_S B_v z_v
     student_mass: torch.Tensor  # [c] Q = Σ_S q_v
+    student_rest: torch.Tensor  # [c] 1 - Q from its own terms (ROW_REST_SUMEXP; ghost tail only, else 0)
     label_logit: torch.Tensor | None  # [c] z_label
     scale_t: torch.Tensor  # [c] e·scale_t = q (softmax(z/τ)) for this rank's block
     scale_1: torch.Tensor | None  # [c] e^τ·scale_1 = softmax(z)
@@ -178,6 +212,7 @@ def combine_row_stats(all_stats: torch.Tensor, rank: int, temperature: float, ha
         lse_1=None,
         target_dot=all_stats[..., ROW_TARGET_DOT].sum(0),
         student_mass=(all_stats[..., ROW_TEACHER_SUMEXP] * w_t).sum(0) / sumexp_t,
+        student_rest=(all_stats[..., ROW_REST_SUMEXP] * w_t).sum(0) / sumexp_t,
         label_logit=None,
         scale_t=w_t[rank] / sumexp_t,
         scale_1=None,
@@ -193,14 +228,14 @@ def combine_row_stats(all_stats: torch.Tensor, rank: int, temperature: float, ha
 
 def _ghost_one_minus_q(rs: RowStats) -> torch.Tensor:
     # 1 - Q underflows when the student puts (almost) all its mass on S; keep it positive.
-    return (1.0 - rs.student_mass).clamp_min(torch.finfo(rs.student_mass.dtype).tiny)
+    return rs.student_rest.clamp_min(torch.finfo(rs.student_rest.dtype).tiny)
 
 
 def row_losses(teacher: ChunkTeacher, rs: RowStats, temperature: float, tail: str):
     """Per-token KD term L (before kd_weight·τ²) and CE term (None without labels)."""
     kd = teacher.const + teacher.lse_coef * rs.lse_t - rs.target_dot / temperature
     if tail == "ghost":
-        kd = kd - (1.0 - teacher.mass).clamp_min(0.0) * _ghost_one_minus_q(rs).log()
+        kd = kd - teacher.rest_mass * _ghost_one_minus_q(rs).log()
     ce = rs.lse_1 - rs.label_logit if rs.lse_1 is not None else None
     return kd, ce
 
@@ -239,7 +274,7 @@ def grad_coefficients(
         # d/du of -(1-M) log(1-Q) is r·(q_v [v∈S] - q_v Q) with r = (1-M)/(1-Q); 1-M is clamped at 0
         # exactly as in the loss (cached masses can round above 1). For M <= 1 the dense
         # coefficient is (M-Q)/(1-Q) and the S entries get q_v - p_v, as in docs/DESIGN.md §1.
-        ghost_ratio = (1.0 - teacher.mass).clamp_min(0.0) / _ghost_one_minus_q(rs)
+        ghost_ratio = teacher.rest_mass / _ghost_one_minus_q(rs)
         dense_coef = teacher.mass - ghost_ratio * rs.student_mass
     else:
         dense_coef = teacher.lse_coef

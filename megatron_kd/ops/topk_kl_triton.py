@@ -56,6 +56,7 @@ from megatron_kd.ops.topk_kl_torch import (
     NUM_ROW_STATS,
     ROW_LABEL_LOGIT,
     ROW_MAX,
+    ROW_REST_SUMEXP,
     ROW_SUMEXP_1,
     ROW_SUMEXP_T,
     ROW_TARGET_DOT,
@@ -93,12 +94,15 @@ def exp_stats_kernel(
     V: tl.constexpr,  # V_local: one compile per model, and a known trip count
     NUM_TILES: tl.constexpr, NUM_STATS: tl.constexpr,
     I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
-    I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr,
+    I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr, I_REST: tl.constexpr,
     HAS_LABELS: tl.constexpr, SEPARATE_SUM_1: tl.constexpr, WRITE: tl.constexpr, WRITE_ZEROS: tl.constexpr,
+    REST_SUM: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """WRITE_ZEROS: the row is written as 0, not E (a gradient with no dense part: grad_fixup_kernel's
-    SPARSE_ONLY), and no references are kept."""
+    SPARSE_ONLY), and no references are kept. REST_SUM (ghost tail): the walk skips the teacher
+    entries' columns (set to -inf first, so it sums the rest outcome's own terms), whose E the
+    fix-up never reads (it rewrites them from z_S); without WRITE they are put back."""
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
     # The teacher entries and the label first: the walk overwrites the row.
@@ -116,6 +120,10 @@ def exp_stats_kernel(
         label_owned = tl.load(label_owned_ptr + row)
         z_label = tl.load(z_row + label_idx, mask=label_owned != 0, other=0.0).to(tl.float32)
         ref = tl.maximum(ref, tl.where(label_owned != 0, z_label, float("-inf")))
+    if REST_SUM:  # every thread's gathers above land before the entries' columns are overwritten
+        tl.debug_barrier()
+        tl.store(z_row + idx, tl.full([BLOCK_K], float("-inf"), z_ptr.dtype.element_ty), mask=is_owned)
+        tl.debug_barrier()
 
     cols = tl.arange(0, BLOCK_V)
     s_t = tl.zeros([BLOCK_V], tl.float32)
@@ -140,18 +148,33 @@ def exp_stats_kernel(
                 tl.store(z_row + offs, e.to(z_ptr.dtype.element_ty), mask=offs < V)
                 tl.store(ref_ptr + row * NUM_TILES + t, ref)
     sum_t = tl.sum(s_t, axis=0)
+    if SEPARATE_SUM_1:
+        sum_1 = tl.sum(s_1, axis=0)
     t_dot = tl.sum(target * z_s, axis=0)
-    t_sum = tl.sum(tl.where(is_owned, owned * tl.exp2((z_s - ref) * scale_t), 0.0), axis=0)
-
+    e_s = tl.where(is_owned, owned * tl.exp2((z_s - ref) * scale_t), 0.0)
+    t_sum = tl.sum(e_s, axis=0)
     out = stats_ptr + row * NUM_STATS
+    if REST_SUM:  # sum_t is the rest; the row's sum adds the entries' columns once each
+        # (topk_kl_torch.repeated_entries: an owned entry whose column an earlier one names)
+        repeat = tl.sum(((idx[:, None] == idx[None, :]) & is_owned[None, :]
+                         & (k[None, :] < k[:, None])).to(tl.int32), axis=1) > 0
+        repeat = repeat & is_owned
+        tl.store(out + I_REST, sum_t - tl.sum(tl.where(repeat, e_s, 0.0), axis=0))
+        sum_t += tl.sum(tl.where(repeat, 0.0, e_s), axis=0)
+        if SEPARATE_SUM_1:
+            sum_1 += tl.sum(tl.where(is_owned & ~repeat, tl.exp2((z_s - ref) * LOG2E), 0.0), axis=0)
+        if not WRITE:
+            tl.debug_barrier()  # the walk's loads of the row are done
+            tl.store(z_row + idx, z_s.to(z_ptr.dtype.element_ty), mask=is_owned)
+    else:
+        tl.store(out + I_REST, 0.0)
+
     tl.store(out + I_MAX, ref)
     tl.store(out + I_SUM_T, sum_t)
     tl.store(out + I_TDOT, t_dot)
     tl.store(out + I_TSUM, t_sum)
     if HAS_LABELS:
-        if SEPARATE_SUM_1:
-            sum_1 = tl.sum(s_1, axis=0)
-        else:
+        if not SEPARATE_SUM_1:
             sum_1 = sum_t
         tl.store(out + I_SUM_1, sum_1)
         tl.store(out + I_LABEL, z_label * label_owned)
@@ -213,11 +236,10 @@ def _support_sums(zs_ptr, owned_ptr, log_target_ptr, r, rmask, K, ref_local, shi
 
 
 @triton.jit
-def _ghost_rest(mass, student_mass, jsd_beta, DIVERGENCE: tl.constexpr):
+def _ghost_rest(rest_p, student_rest, jsd_beta, DIVERGENCE: tl.constexpr):
     """(f_r, g_r) of the ghost tail's rest outcome (support_divergence.ghost_rest)."""
-    rest_p = tl.maximum(1.0 - mass, 0.0)
     log_rest_p = tl.log(tl.maximum(rest_p, REST_FLOOR))
-    rest_q = tl.maximum(1.0 - student_mass, FP32_TINY)
+    rest_q = tl.maximum(student_rest, FP32_TINY)
     log_rest_q = tl.log(rest_q)
     if DIVERGENCE == 1:
         g_r = log_rest_q - log_rest_p
@@ -246,7 +268,7 @@ def _ce_grad(alpha, rho, r, rmask, w_rank_1, sum_1, ce_weight, beta_ptr, label_s
 @triton.jit
 def row_terms_kernel(
     stats_ptr, rows, rank,  # [TP, rows, NUM_STATS] every rank's local statistics of the chunk
-    const_ptr, lse_coef_ptr, mass_ptr, rho_ptr, label_owned_ptr,  # [rows] teacher terms, ρ, label owner
+    const_ptr, lse_coef_ptr, mass_ptr, rest_mass_ptr, rho_ptr, label_owned_ptr,  # [rows] teacher terms, ρ, label owner
     kd_ptr, ce_ptr,  # out [rows]: L before kd_weight·τ², and the CE term
     alpha_ptr, beta_ptr, sparse_scale_ptr, ghost_ptr, label_sparse_ptr,  # out [rows]: see RowTerms
     zs_ptr, owned_ptr, log_target_ptr, K,  # reverse / jsd: [rows, K] z_S, owned, log P_v
@@ -255,7 +277,7 @@ def row_terms_kernel(
     jsd_beta, log_beta, log1m_beta,  # β, log β, log(1 - β) of divergence="jsd"
     TP: tl.constexpr, NUM_STATS: tl.constexpr,
     I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
-    I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr,
+    I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr, I_REST: tl.constexpr,
     GHOST: tl.constexpr, HAS_LABELS: tl.constexpr, NEED_GRAD: tl.constexpr,
     CE_GRAD: tl.constexpr, SEPARATE_BETA: tl.constexpr,
     DIVERGENCE: tl.constexpr, SUMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KT: tl.constexpr,
@@ -270,6 +292,7 @@ def row_terms_kernel(
         row_max = tl.maximum(row_max, tl.load(stats_ptr + (t * rows + r) * NUM_STATS + I_MAX, mask=rmask, other=0.0))
     sum_t = tl.zeros([BLOCK_R], tl.float32)
     teacher_sum = tl.zeros([BLOCK_R], tl.float32)
+    rest_sum = tl.zeros([BLOCK_R], tl.float32)
     target_dot = tl.zeros([BLOCK_R], tl.float32)
     sum_1 = tl.zeros([BLOCK_R], tl.float32)
     label_logit = tl.zeros([BLOCK_R], tl.float32)
@@ -281,6 +304,8 @@ def row_terms_kernel(
         w_t = tl.exp((rank_max - row_max) * inv_tau)  # this rank's sums rescaled to the global max
         sum_t += tl.load(base + I_SUM_T, mask=rmask, other=1.0) * w_t
         teacher_sum += tl.load(base + I_TSUM, mask=rmask, other=0.0) * w_t
+        if GHOST:
+            rest_sum += tl.load(base + I_REST, mask=rmask, other=1.0) * w_t
         target_dot += tl.load(base + I_TDOT, mask=rmask, other=0.0)
         w_rank_t = tl.where(rank == t, w_t, w_rank_t)
         if HAS_LABELS:
@@ -289,6 +314,7 @@ def row_terms_kernel(
             label_logit += tl.load(base + I_LABEL, mask=rmask, other=0.0)
             w_rank_1 = tl.where(rank == t, w_1, w_rank_1)
     student_mass = teacher_sum / sum_t  # Q
+    student_rest = rest_sum / sum_t  # 1 - Q from its own terms (ghost)
     scale_t = w_rank_t / sum_t
 
     if DIVERGENCE == 0:
@@ -297,8 +323,8 @@ def row_terms_kernel(
         kd = const + lse_coef * (row_max * inv_tau + tl.log(sum_t)) - target_dot * inv_tau
         if GHOST:
             mass = tl.load(mass_ptr + r, mask=rmask, other=0.0)
-            tail_mass = tl.maximum(1.0 - mass, 0.0)
-            one_minus_q = tl.maximum(1.0 - student_mass, FP32_TINY)
+            tail_mass = tl.load(rest_mass_ptr + r, mask=rmask, other=0.0)
+            one_minus_q = tl.maximum(student_rest, FP32_TINY)
             kd -= tail_mass * tl.log(one_minus_q)
         tl.store(kd_ptr + r, kd, mask=rmask)
         if HAS_LABELS:
@@ -335,8 +361,8 @@ def row_terms_kernel(
             tl.store(sums_ptr + r * 2 + 1, h_sum, mask=rmask)
         else:
             if GHOST:
-                mass = tl.load(mass_ptr + r, mask=rmask, other=0.0)
-                f_r, g_r = _ghost_rest(mass, student_mass, jsd_beta, DIVERGENCE)
+                rest_p = tl.load(rest_mass_ptr + r, mask=rmask, other=0.0)
+                f_r, g_r = _ghost_rest(rest_p, student_rest, jsd_beta, DIVERGENCE)
                 kd = f_sum + f_r
                 dense = student_mass * g_r - h_sum
                 center = g_r
@@ -512,8 +538,9 @@ def exp_row_stats_(
         k, scale_t, max(scale_t, LOG2E.value) if separate_sum_1 else scale_t,
         V=vocab_local, NUM_TILES=tiles,
         NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
-        I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
+        I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT, I_REST=ROW_REST_SUMEXP,
         HAS_LABELS=has_labels, SEPARATE_SUM_1=separate_sum_1, WRITE=write, WRITE_ZEROS=write and zeros,
+        REST_SUM=teacher.rest_mass is not None,
         BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
     )
     return stats, z_s, refs
@@ -569,14 +596,15 @@ def _launch_row_terms(all_stats, rank, teacher, rho, label_owned, kd_out, ce_out
     block_kt = min(ENTRY_TILE, triton.next_power_of_2(max(k, 1)))
     row_terms_kernel[(triton.cdiv(rows, block_r),)](
         all_stats.contiguous(), rows, rank,
-        teacher.const, teacher.lse_coef, teacher.mass, rho, ptr(label_owned if has_labels else None),
+        teacher.const, teacher.lse_coef, teacher.mass, ptr(teacher.rest_mass), rho,
+        ptr(label_owned if has_labels else None),
         kd_out, ptr(ce_out),
         *(ptr(outs.get(n)) for n in ("alpha", "beta", "sparse_scale", "ghost", "label_sparse")),
         ptr(z_s if support is not None else None), teacher.owned, ptr(teacher.log_target), k,
         ptr(sums), ptr(outs.get("log_q_shift")), ptr(outs.get("center")),
         kd_weight * temperature, ce_weight, 1.0 / temperature, beta, log_beta, log1m_beta,
         TP=tp, NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
-        I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT,
+        I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT, I_REST=ROW_REST_SUMEXP,
         GHOST=tail == "ghost", HAS_LABELS=has_labels, NEED_GRAD=need_grad, CE_GRAD=ce_grad,
         SEPARATE_BETA=ce_grad and temperature != 1.0,
         DIVERGENCE=0 if support is None else support.code, SUMS=sums_mode.value,
