@@ -30,8 +30,9 @@ Modes (``PACKING_MODES``; recorded in the teacher cache): "none"; "documents" (a
 apart, positions run on through the sample); "positions" (positions restart, attention crosses:
 what Megatron-LM computes with ``--reset-position-ids`` alone); "documents+positions".
 
-``--eod-mask-loss`` needs nothing here: GPTDataset's loss mask already zeroes the prediction made
-at each EOD token (its label is the next document's first token), as Megatron-LM defines it.
+``--eod-mask-loss`` needs nothing here: ``train`` passes it to GPTDataset's config, whose loss mask
+then zeroes the prediction made at each EOD token (its label is the next document's first token),
+as Megatron-LM defines it.
 
 Not supported with packing (``check_packing_flags``, one line each): context parallelism (the
 documents would have to be split with the sequence), more than two pipeline stages (middle
