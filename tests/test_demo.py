@@ -119,13 +119,17 @@ def test_bad_setting_through_the_cli_is_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+# The child's own peak is VmHWM, its address space's high-water mark. Not ru_maxrss: when the
+# parent starts the child with vfork, exec folds the parent's high-water mark (the pytest process,
+# gigabytes by the end of the suite) into the child's ru_maxrss.
 _PEAK_CHILD = textwrap.dedent("""
-    import json, resource, sys
+    import json, re, sys
+    from pathlib import Path
     from megatron_kd.demo import DemoConfig, estimate_peak_bytes, run_demo
     cfg = DemoConfig(**json.loads(sys.argv[1]))
     run_demo(cfg, log=lambda _: None)
-    print(json.dumps({{"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "estimate": estimate_peak_bytes(cfg)}}))
+    peak_kib = int(re.search(r"^VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+    print(json.dumps({{"peak": peak_kib * 1024, "estimate": estimate_peak_bytes(cfg)}}))
 """)
 
 

@@ -64,14 +64,15 @@ def verify(path, *, progress: bool = True) -> dict:
 
 
 def inspect(path, *, progress: bool = True) -> dict:
-    """Summary of a cache: its codec, sizes, bytes/token (every file of the store over its tokens),
-    mean teacher top-K mass, K, vocab, fingerprints."""
+    """Summary of a cache: its codec, mode (draws of a sampled cache), packing, sizes, bytes/token
+    (every file of the store over its tokens), mean teacher top-K mass, K, vocab, fingerprints."""
     path = Path(path)
     meta = read_root_meta(path)
     summary = {
         "path": str(path), "store_id": meta.store_id, "complete": meta.complete,
         "schema_version": meta.schema_version, "codec": meta.codec,
-        "mode": meta.mode, "samples": meta.num_samples, "seq_length": meta.seq_length,
+        "mode": meta.mode, "sampled_draws": meta.sampled_draws, "packing": meta.packing,
+        "samples": meta.num_samples, "seq_length": meta.seq_length,
         "tokens": meta.num_samples * meta.seq_length, "topk": meta.topk, "vocab_size": meta.vocab_size,
         "temperature": meta.temperature, "dp_size": meta.dp_size, "micro_batch_size": meta.micro_batch_size,
         "rows_per_shard": meta.rows_per_shard, "bytes": store_bytes(path),

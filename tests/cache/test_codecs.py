@@ -89,7 +89,8 @@ def test_sampled_cache_round_trips_ids_and_counts(tmp_path, seed):
     assert torch.equal(got_lps.double().exp().mul(draws).round(), want_counts)  # the counts, exactly
     ref = torch.log(want_counts / draws).float()  # log(count / N) to float32 rounding
     assert torch.equal(got_lps, ref)
-    assert inspect(tmp_path / "c", progress=False)["codec"] == "sampled-counts-v1"
+    summary = inspect(tmp_path / "c", progress=False)
+    assert (summary["codec"], summary["mode"], summary["sampled_draws"]) == ("sampled-counts-v1", "sampled", draws)
     assert verify(tmp_path / "c", progress=False)["ok"]
 
 
