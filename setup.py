@@ -26,6 +26,8 @@ setup(
         "numcodecs",
         # the cache's shard and teacher-weight checksums (CRC32C)
         "google-crc32c",
+        # megatron-core's distributed checkpointing (async filesystem writer) imports it undeclared
+        "psutil",
         "numpy",
         "tqdm",
         "matplotlib",

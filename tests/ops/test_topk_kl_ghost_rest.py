@@ -76,10 +76,15 @@ def test_tiny_rest_masses_match_float64_reference(seed, impl, divergence, temper
     # Each row's own gradient, against the typical row's scale: where a row's student all but equals
     # its teacher, dL/du_w = q_w (Q_S g_r - H) + [w∈S] q_w (g_w - g_r) is a sum of O(|g_r|) terms that
     # cancel to far less, so fp32 leaves an error of eps32·|g_r| there, not eps32 of that row's norm.
+    # The terms come from fp32 logits, each eps32·|z| off: rows scaled up to |z| ~ 130 carry a few
+    # times the error of the |z| ~ 30 rows of the other fp32 tests, so each row's bound grows with
+    # its largest logit (measured: 1.3e-4 at |z| = 129, 4.7e-5 at |z| = 80).
     got_rows, ref_rows = got[2].reshape(-1, x.hidden.shape[-1]).double(), ref[2].reshape(-1, x.hidden.shape[-1])
     scale = ref_rows.norm(dim=-1).clamp_min(ref_rows.norm(dim=-1).median())
     per_row = (got_rows - ref_rows).norm(dim=-1) / scale
-    assert per_row.max() <= FP32_TOL, per_row
+    logits = x.hidden.reshape(-1, x.hidden.shape[-1]).double() @ x.weight.double().t()
+    row_tol = FP32_TOL * (logits.abs().amax(-1) / 32).clamp_min(1.0)
+    assert (per_row <= row_tol).all(), (per_row, row_tol)
 
 
 @pytest.mark.parametrize("divergence, temperature, ce_weight", [("reverse", 2.0, 0.5), ("reverse", 1.0, 0.1),
