@@ -14,7 +14,6 @@ import contextlib
 import datetime
 import os
 import socket
-import tempfile
 import traceback
 
 import torch
@@ -28,14 +27,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, store_file, backend, args):
+def _entry(rank, fn, world_size, port, backend, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    # A file store, not a TCP port: a port picked before the processes start can be taken by the
-    # time rank 0 binds it, a failure of the harness rather than of the code under test.
-    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=180))
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -51,11 +48,10 @@ def spawn(fn, *args, world_size: int = 2, backend: str = "gloo") -> None:
     ``backend`` "gloo" (CPU) or "nccl" (rank r on cuda:r). ``fn`` must be a module-level function
     (it is pickled into the spawned processes).
     """
-    with tempfile.TemporaryDirectory(prefix="kd-spawn-") as tmp:
-        mp.start_processes(
-            _entry, args=(fn, world_size, os.path.join(tmp, "store"), backend, args), nprocs=world_size, join=True,
-            start_method="spawn",
-        )
+    mp.start_processes(
+        _entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True,
+        start_method="spawn",
+    )
 
 
 class _CpuMemoryBuffer:
