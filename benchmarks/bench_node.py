@@ -37,6 +37,9 @@ Memory layout and optimizer, passed to Megatron-LM (the recipe's own recompute f
   --optimizer fused   torch's fused AdamW (``--kd-fused-adam``) instead of the multi-tensor one;
                  bf16-sr-8bit: ``--kd-optimizer bf16-sr-8bit`` (bf16 weights, 8-bit moments)
   --extra "<flags>"   any other Megatron-LM / --kd-* flags
+Data: random documents of --document-tokens tokens (8,192), each ending with EOD, packed by Megatron's
+GPTDataset; --packing documents adds --reset-attention-mask --reset-position-ids --eod-mask-loss
+to the cache build and every run (attention and positions within each document).
   --also "<options>"  one more configuration in the same call: losses, layout, optimizer and label
                  options over their defaults (the model, data and --out are this call's)
 Each (loss, configuration) is one run, labelled "<loss>" for the recipe's layout, else
@@ -93,7 +96,11 @@ OPTIMIZER_FLAGS = {"megatron": [], "fused": ["--kd-fused-adam"], "bf16-sr-8bit":
 RECIPE_RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1, "--recompute-num-layers": 1,
                           "--recompute-modules": None, "--kd-fused-adam": 0, "--kd-optimizer": 1}
 # options that fix the model, the data and the cache: the call's, for every configuration of it
-SHARED_OPTIONS = ("size", "gpus", "rank_of", "layers", "experts", "seq", "global_batch_size", "iters", "timeout", "out")
+SHARED_OPTIONS = ("size", "gpus", "rank_of", "layers", "experts", "seq", "global_batch_size", "iters", "packing",
+                  "document_tokens", "timeout", "out")
+# --packing documents: Megatron-LM's flags that keep packed documents apart, for the cache build and
+# every training run alike (the cache records its packing and a run with other flags is refused)
+PACKING_FLAGS = {"none": [], "documents": ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]}
 
 
 def recompute_choice(text: str) -> str:
@@ -117,6 +124,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--global-batch-size", type=int, default=None, help="default: 2 micro-batches per GPU")
     p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--packing", choices=tuple(PACKING_FLAGS), default="none",
+                   help="documents: attention and positions kept within each packed document")
+    p.add_argument("--document-tokens", type=int, default=8192,
+                   help="tokens per document of the random data, its EOD included (default 8192)")
     p.add_argument("--losses", default="fused,ce,dense")
     p.add_argument("--recompute", type=recompute_choice, default="full")
     p.add_argument("--recompute-modules", type=module_list, default=None)
@@ -215,7 +226,7 @@ def data_flags(opts, data_prefix: str) -> list[str]:
             "--train-iters", str(opts.iters), "--global-batch-size", str(opts.global_batch_size),
             "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
             "--data-cache-path", str(opts.out / "work" / "index-cache"), "--num-workers", "2",
-            "--eval-iters", "0", "--eval-interval", "1000000"]
+            "--eval-iters", "0", "--eval-interval", "1000000", *PACKING_FLAGS[opts.packing]]
 
 
 def no_te_flags() -> list[str]:
@@ -276,16 +287,18 @@ def layout_flags(opts) -> list[str]:
 
 
 def write_data(opts) -> str:
-    """Uniformly random documents of 8K tokens, enough for every sample the runs read."""
+    """Uniformly random documents of --document-tokens tokens (the last one EOD), enough for every
+    sample the runs read."""
     import numpy as np
 
     from megatron_kd.megatron.data import write_indexed_dataset
 
-    prefix = opts.out / "work" / "data" / "random"
+    n = opts.document_tokens
+    prefix = opts.out / "work" / "data" / f"random-doc{n}"
     if not Path(str(prefix) + ".idx").exists():
-        tokens = math.ceil(1.1 * opts.global_batch_size * opts.iters * (opts.seq + 1)) + 8192
+        tokens = math.ceil(1.1 * opts.global_batch_size * opts.iters * (opts.seq + 1)) + n
         rng = np.random.default_rng(0)
-        docs = ([*rng.integers(0, VOCAB - 1, size=8191), VOCAB - 1] for _ in range(tokens // 8192 + 1))
+        docs = ([*rng.integers(0, VOCAB - 1, size=n - 1), VOCAB - 1] for _ in range(tokens // n + 1))
         write_indexed_dataset(prefix, docs, VOCAB)
     return str(prefix)
 
@@ -322,9 +335,14 @@ def torchrun(opts, args: list[str], log: Path) -> tuple[int, str]:
     return rc, text
 
 
+def cache_name(opts) -> str:
+    """One cache per data and packing (a cache built without packing refuses a packed run)."""
+    return f"cache-doc{opts.document_tokens}-{opts.packing}"
+
+
 def build_cache(opts, data_prefix: str) -> Path:
-    cache = opts.out / "work" / "cache"
-    done = opts.out / "work" / "cache.done"
+    cache = opts.out / "work" / cache_name(opts)
+    done = cache.with_name(cache.name + ".done")
     if not done.exists():
         teacher = write_teacher(opts)
         model = ["--num-layers", "1", "--hidden-size", str(TEACHER_HIDDEN), "--num-attention-heads", "4",
@@ -541,6 +559,9 @@ def plan_static_gib(flags: list[str], gpus: int) -> float:
 def markdown(results: dict) -> str:
     lines = [f"# {results['size']} student, {results['layers']} layers x {results['experts']} experts, "
              f"{results['seq']:,} tokens, {results['gpus']} GPUs, global batch {results['global_batch_size']}", ""]
+    if results.get("packing", "none") != "none":
+        lines += [f"Packed documents of {results['document_tokens']:,} tokens kept apart ({results['packing']}: "
+                  + " ".join(PACKING_FLAGS[results["packing"]]) + ").", ""]
     if results.get("rank_of"):
         lines += [rank_note(results), ""]
     lines += [f"Model FLOPs per step: {results['model_tflop_per_step']:.0f} TFLOP (bench convention), "
@@ -584,6 +605,7 @@ def main(argv=None):
     args, _ = plan_args(student, opts.gpus)
     results.update(size=opts.size, layers=args.num_layers, experts=args.num_experts, seq=opts.seq, gpus=opts.gpus,
                    global_batch_size=opts.global_batch_size, iters=opts.iters, rank_of=opts.rank_of,
+                   packing=opts.packing, document_tokens=opts.document_tokens,
                    model_tflop_per_step=model_flops_per_step(args, opts) / 1e12,
                    megatron_tflop_per_step=megatron_flops_per_step(args, opts) / 1e12)
     if opts.rank_of:
@@ -592,7 +614,7 @@ def main(argv=None):
     runs = [(loss, config) for config in opts.configs for loss in config.losses.split(",")]
     cache = build_cache(opts, data_prefix) if {"fused", "dense"} & {loss for loss, _ in runs} else None
     if cache is not None:
-        results["cache"] = (opts.out / "work" / "cache.done").read_text().strip()
+        results["cache"] = cache.with_name(cache.name + ".done").read_text().strip()
     for loss, config in runs:
         label = run_label(loss, config)
         if results["runs"].get(label, {}).get("rc") == 0:

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).parent / "models"))
-from bench_node import (data_flags, layout_flags, loss_flags, megatron_flops_per_step, model_flops_per_step,  # noqa: E402
+from bench_node import (cache_name, data_flags, layout_flags, loss_flags, megatron_flops_per_step, model_flops_per_step,  # noqa: E402
                         parse, parse_log, rank_note, run_label, slug, student_flags, summarize_memory_snapshot,
                         train_flags, unsharded_optimizer_gib)
 
@@ -48,6 +48,19 @@ def test_cache_and_training_share_the_data_flags(tmp_path):
     assert loss_flags("ce", None) == ["--kd-ce-impl", "megatron"]
     with pytest.raises(SystemExit):
         parse(["--losses", "fused,bogus"])
+
+
+def test_packing_reaches_the_cache_build_and_every_run(tmp_path):
+    packed = parse(["--packing", "documents", "--document-tokens", "2048", "--out", str(tmp_path),
+                    "--also", "--losses ce"])
+    plain = parse(["--out", str(tmp_path)])
+    reset = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+    for config in packed.configs:  # --also inherits the call's data and packing
+        assert all(flag in data_flags(config, "/d") for flag in reset)
+    assert not any(flag in data_flags(plain, "/d") for flag in reset)
+    assert cache_name(packed) != cache_name(plain)  # a packed cache is never reused unpacked
+    with pytest.raises(SystemExit):
+        parse(["--also", "--packing documents"])  # the packing fixes the cache: one per call
 
 
 def _last(flags, flag):
