@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kd_inputs import teacher_topk  # noqa: E402
+from kd_inputs import sampled_rows, teacher_topk  # noqa: E402
 
 from megatron_kd.cache import CacheReader, CacheWriter  # noqa: E402
 from megatron_kd.cache.inspect import store_bytes  # noqa: E402
@@ -61,21 +61,6 @@ def make_pool(args, zipf: float) -> list:
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(pool, file)
     return pool
-
-
-def sampled_rows(num_tokens: int, vocab: int, draws: int, *, zipf: float = 0.0):
-    """(ids [n, draws], log(count / draws) [n, draws]): ``draws`` draws per token from the
-    teacher-like distribution of ``teacher_topk``, distinct ids ascending, then padding."""
-    logits = torch.distributions.StudentT(torch.tensor(10.0)).sample((num_tokens, vocab)) * 2.0
-    if zipf:
-        logits -= zipf * torch.log1p(torch.arange(vocab, dtype=torch.float32))
-    picks = torch.multinomial(logits.softmax(-1), draws, replacement=True).sort(-1).values
-    ids = torch.full((num_tokens, draws), -1, dtype=torch.int64)
-    lps = torch.full((num_tokens, draws), float("-inf"))
-    for t in range(num_tokens):
-        u, c = torch.unique(picks[t], return_counts=True)
-        ids[t, :len(u)], lps[t, :len(u)] = u, torch.log(c.double() / draws).float()
-    return ids, lps
 
 
 def shard_bytes(path: Path) -> int:

@@ -25,18 +25,49 @@ class LossInputs:
         return LossInputs(**{k: v.to(device) for k, v in vars(self).items()})
 
 
-def teacher_topk(num_tokens: int, vocab: int, k: int, *, zipf: float = 0.0):
+def _teacher_logits(num_tokens: int, vocab: int, zipf: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Student-t (ν = 10) logits scaled by 2, less zipf·log(1 + id). torch samples Student-t only from
+    the global generator: with ``generator`` it is seeded from that one and restored afterwards."""
+    def sample():
+        return torch.distributions.StudentT(torch.tensor(10.0)).sample((num_tokens, vocab)) * 2.0
+
+    if generator is None:
+        logits = sample()
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(1 << 62, (1,), generator=generator)))
+            logits = sample()
+    if zipf:
+        logits -= zipf * torch.log1p(torch.arange(vocab, dtype=torch.float32))
+    return logits
+
+
+def teacher_topk(num_tokens: int, vocab: int, k: int, *, zipf: float = 0.0, generator: torch.Generator | None = None):
     """(ids [n, K] int64, logprobs [n, K] float32): top-K of a language-model-like teacher.
 
     Logits are Student-t (ν = 10) noise scaled by 2, which gives a mean top-1 probability of about
     0.5 and a top-100 mass of about 0.9 at V = 201,088 (what LM teachers show); ``zipf`` > 0 adds
     -zipf·log(1 + id), the unigram prior that makes low (frequent, in BPE vocabularies) ids likelier.
     """
-    logits = torch.distributions.StudentT(torch.tensor(10.0)).sample((num_tokens, vocab)) * 2.0
-    if zipf:
-        logits -= zipf * torch.log1p(torch.arange(vocab, dtype=torch.float32))
-    logprobs, ids = torch.log_softmax(logits.double(), -1).topk(k, dim=-1)
+    logprobs, ids = torch.log_softmax(_teacher_logits(num_tokens, vocab, zipf, generator).double(), -1).topk(k, dim=-1)
     return ids, logprobs.float()
+
+
+def sampled_rows(num_tokens: int, vocab: int, draws: int, *, zipf: float = 0.0,
+                 generator: torch.Generator | None = None):
+    """(ids [n, draws] int64, logprobs [n, draws] float32): ``draws`` draws per token from the
+    teacher-like distribution of ``teacher_topk``, as a sampled teacher pass hands them over: the
+    distinct ids ascending with log(count / draws), then padding (id -1, log-prob -inf)."""
+    logits = _teacher_logits(num_tokens, vocab, zipf, generator)
+    picks = torch.multinomial(logits.softmax(-1), draws, replacement=True, generator=generator).sort(-1).values
+    # slot of each draw among its token's distinct ids: a running count of where the id changes
+    slot = torch.cat([torch.zeros(num_tokens, 1, dtype=torch.int64), (picks[:, 1:] != picks[:, :-1]).long()], 1)
+    slot = slot.cumsum(1)
+    counts = torch.zeros(num_tokens, draws, dtype=torch.float64).scatter_add_(1, slot, torch.ones_like(picks,
+                                                                                                      dtype=torch.float64))
+    ids = torch.full((num_tokens, draws), -1, dtype=torch.int64).scatter_(1, slot, picks)
+    lps = torch.where(counts > 0, torch.log(counts / draws), float("-inf")).float()
+    return ids, lps
 
 
 def make_inputs(s=23, b=2, h=16, vocab=102, k=7, *, dtype=torch.float64, pad=True) -> LossInputs:

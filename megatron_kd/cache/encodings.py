@@ -35,8 +35,8 @@ from zarr.registry import register_codec
 from megatron_kd.cache import entry_codecs as ec
 from megatron_kd.cache.codec import LOGPROB_SCALE, PAD_CODE, CacheError, encode_topk, logprob_codes, sorted_entries
 
-TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1 = "topk-v1", "topk-v2", "sampled-counts-v1"
-CODECS = (TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1)
+TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1, TOPK_V3 = "topk-v1", "topk-v2", "sampled-counts-v1", "topk-v3"
+CODECS = (TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1, TOPK_V3)
 # topk-v1's encoding field, exactly as stores of schema 2 hold it
 TOPK_V1_ENCODING = {
     "ids": "sorted within a token, first id then gaps, uint32",
@@ -138,7 +138,29 @@ class TopkCodesCodec(_ChunkCodec):
         return ec.decode_topk_codes(buf, tokens, k)
 
 
-for _cls in (IdSetsCodec, DrawCountsCodec, TopkCodesCodec):
+@dataclass(frozen=True)
+class ColumnIdSetsCodec(_ChunkCodec):
+    name = "megatron_kd.column_id_sets_v1"
+
+    def encode_chunk(self, arr):
+        return ec.encode_column_id_sets(arr)
+
+    def decode_chunk(self, buf, tokens, k):
+        return ec.decode_column_id_sets(buf, tokens, k)
+
+
+@dataclass(frozen=True)
+class LevelsCodec(_ChunkCodec):
+    name = "megatron_kd.prob_levels_v1"
+
+    def encode_chunk(self, arr):
+        return ec.encode_levels(arr)
+
+    def decode_chunk(self, buf, tokens, k):
+        return ec.decode_levels(buf, tokens, k)
+
+
+for _cls in (IdSetsCodec, DrawCountsCodec, TopkCodesCodec, ColumnIdSetsCodec, LevelsCodec):
     register_codec(_cls.name, _cls)
 
 
@@ -161,6 +183,9 @@ def array_specs(codec: str, draws: int) -> dict[str, ArraySpec]:
         return {"ids": ArraySpec("uint32", 0, "auto", (BloscCodec(cname="zstd", clevel=5, shuffle="shuffle"), crc)),
                 "logprobs": ArraySpec("uint16", 0, "auto", (BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle"),
                                                             crc))}
+    if codec == TOPK_V3:
+        return {"ids": ArraySpec("int32", -1, ColumnIdSetsCodec(), (crc,)),
+                "logprobs": ArraySpec("uint8", ec.PAD_LEVEL, LevelsCodec(), (crc,))}
     ids = ArraySpec("int32", -1, IdSetsCodec(), (crc,))
     if codec == TOPK_V2:
         return {"ids": ids, "logprobs": ArraySpec("uint16", PAD_CODE, TopkCodesCodec(), (crc,))}
@@ -176,6 +201,9 @@ def encode_rows(codec: str, ids, logprobs, *, vocab_size: int, draws: int, where
     sorted_ids, sorted_lps, valid = sorted_entries(ids, logprobs, vocab_size, where=where)
     if codec == TOPK_V2:
         values = torch.where(valid, logprob_codes(sorted_lps), PAD_CODE)
+    elif codec == TOPK_V3:
+        values = torch.where(valid, probability_levels(sorted_lps), ec.PAD_LEVEL)
+        return sorted_ids.to(torch.int32).cpu().numpy(), values.to(torch.uint8).cpu().numpy()
     else:
         exact = sorted_lps.double().exp() * draws
         counts = torch.where(valid, exact.round(), 0)
@@ -191,11 +219,22 @@ def encode_rows(codec: str, ids, logprobs, *, vocab_size: int, draws: int, where
     return sorted_ids.to(torch.int32).cpu().numpy(), values.cpu().numpy().astype(np.uint16)
 
 
+def probability_levels(sorted_lps: torch.Tensor) -> torch.Tensor:
+    """int32 topk-v3 levels of log-probs, in float64 on their device: round((u(p) - u(0)) / step)
+    with u(p) = log(p + c) - log(1 + c - p) (entry_codecs.LEVEL_STEP, LEVEL_FLOOR); a log-prob a
+    hair above 0 counts as p = 1. Padding (-inf) gives level 0, so mask it."""
+    p = sorted_lps.double().exp().clamp_(max=1.0)
+    u = torch.log(p + ec.LEVEL_FLOOR) - torch.log1p(ec.LEVEL_FLOOR - p)
+    return torch.round((u - ec.LEVEL_ORIGIN) / ec.LEVEL_STEP).clamp_(0, ec.MAX_LEVEL).to(torch.int32)
+
+
 # ---------------------------------------------------------------- reader side: arrays -> tensors
 def _tables(draws: int) -> dict[str, np.ndarray]:
     codes = np.arange(PAD_CODE + 1, dtype=np.float32) * np.float32(-1.0 / LOGPROB_SCALE)  # as codec.decode_topk
     codes[PAD_CODE] = -np.inf
-    out = {TOPK_V2: codes}
+    levels = np.full(ec.PAD_LEVEL + 1, -np.inf, np.float32)
+    levels[:ec.MAX_LEVEL + 1] = np.log(ec.level_probabilities())
+    out = {TOPK_V2: codes, TOPK_V3: levels}
     if draws:
         with np.errstate(divide="ignore"):
             out[SAMPLED_COUNTS_V1] = np.log(np.arange(draws + 1, dtype=np.float64) / draws).astype(np.float32)

@@ -27,6 +27,8 @@ ValueError at encoding (a bug, not user data), and bytes that do not decode to i
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from megatron_kd.cache.codec import MAX_CODE, PAD_CODE, CacheError
@@ -34,6 +36,27 @@ from megatron_kd.cache.streams import pack_streams, plane_streams, read_planes, 
 
 ZSTD_LEVEL = 9  # bench_cache_fidelity.py: level 19 saves ~1% and writes several times slower
 MAX_DRAWS = (1 << 16) - 1  # counts are uint16
+ID_GROUPS = 10  # topk-v3: slot ranges with id streams of their own (column_groups)
+
+# topk-v3's probability levels: u(p) = log(p + c) - log(1 + c - p) in steps of LEVEL_STEP from
+# u(0) (level 0) to u(1) (MAX_LEVEL); see level_probabilities
+LEVEL_STEP = 1 / 8
+LEVEL_FLOOR = 2.0 ** -12  # c
+LEVEL_ORIGIN = math.log(LEVEL_FLOOR / (1 + LEVEL_FLOOR))
+MAX_LEVEL = round(-2 * LEVEL_ORIGIN / LEVEL_STEP)
+PAD_LEVEL = 255
+assert MAX_LEVEL < PAD_LEVEL
+
+
+def level_probabilities() -> np.ndarray:
+    """float64 [MAX_LEVEL + 1]: the probability each level decodes to, the middle of its interval
+    of u (so that it codes back to the same level); level 0 (p below u^-1(u(0) + step/2), about
+    LEVEL_FLOOR · step / 2) decodes to the middle of that interval of p, never to 0."""
+    u = LEVEL_ORIGIN + LEVEL_STEP * np.arange(MAX_LEVEL + 1)
+    p = np.minimum((np.exp(u) * (1 + LEVEL_FLOOR) - LEVEL_FLOOR) / (1 + np.exp(u)), 1.0)
+    half = math.exp(LEVEL_ORIGIN + LEVEL_STEP / 2)
+    p[0] = (half * (1 + LEVEL_FLOOR) - LEVEL_FLOOR) / (1 + half) / 2
+    return p
 
 
 def _prefix_counts(valid: np.ndarray, what: str) -> np.ndarray:
@@ -42,12 +65,6 @@ def _prefix_counts(valid: np.ndarray, what: str) -> np.ndarray:
     if not (valid == (np.arange(valid.shape[1]) < n[:, None])).all():
         raise ValueError(f"{what}: a token has padding before an entry")
     return n
-
-
-def _slots(n: np.ndarray, k: int) -> np.ndarray:
-    """Flat [T·K] index of every entry, tokens in order, slots from 0."""
-    starts = np.cumsum(n) - n
-    return np.arange(int(n.sum())) + np.repeat(np.arange(len(n)) * k - starts, n)
 
 
 def _limit(tokens: int, k: int) -> int:
@@ -59,6 +76,37 @@ def _read_n(streams, tokens: int, k: int, what: str) -> np.ndarray:
     if n.size and n.max() > k:
         raise CacheError(f"{what}: a token has {int(n.max())} entries, more than K={k} (corrupted chunk)")
     return n
+
+
+def _valid_slots(n: np.ndarray, k: int) -> np.ndarray | None:
+    """bool [T, k]: slot j of token t holds an entry (j < n[t]); None when every token is full."""
+    if n.size == 0 or int(n.min()) == k:
+        return None
+    return np.arange(k, dtype=np.int32) < n[:, None]
+
+
+def _ids_from_steps(steps, n: np.ndarray, tokens: int, k: int, what: str) -> np.ndarray:
+    """int32 [tokens, k] ids from ``steps``: per entry, tokens in order, the first id + 1, then the
+    gap to the previous id, each >= 1 (a flat array of the entries, or [tokens, k] with zeros on
+    padding). Running sums along each token's row, less one; -1 on padding. CacheError for a step
+    below 1 or an id past int32 (what corrupted bytes give)."""
+    valid = _valid_slots(n, k)
+    if steps.ndim == 1:
+        if valid is None:
+            steps = steps.reshape(tokens, k)
+        else:
+            flat, steps = steps, np.zeros((tokens, k), np.int32)
+            steps[valid] = flat
+    if steps.size:
+        low = int(steps.min()) if valid is None else int(np.where(valid, steps, 1).min())
+        # per-token sums in int64: an id past int32 would wrap in the int32 running sum below
+        if low < 1 or int(steps.sum(1, dtype=np.int64).max()) > np.iinfo(np.int32).max:
+            raise CacheError(f"{what}: ids not ascending or out of range (corrupted chunk)")
+    ids = np.cumsum(steps, axis=1, dtype=np.int32, out=steps)
+    ids -= 1
+    if valid is not None:
+        ids[~valid] = -1
+    return ids
 
 
 # ---------------------------------------------------------------- id sets
@@ -86,16 +134,11 @@ def decode_id_sets(buf, tokens: int, k: int) -> np.ndarray:
     s = unpack_streams(buf, id_set_streams(k), limit=_limit(tokens, k))
     w = width_for(k)
     n = _read_n(s[:w], tokens, k, what)
-    gaps = read_planes(s[w:], int(n.sum()), what=f"{what} gaps")
-    # running sums of gap + 1, restarted at each token's first entry
-    run = np.cumsum(gaps + 1)
-    first = (np.cumsum(n) - n)[n > 0]
-    ids = run - np.repeat(run[first] - gaps[first], n[n > 0])
-    if ids.size and ids.max() >= np.iinfo(np.int32).max:
-        raise CacheError(f"{what}: id {int(ids.max())} out of range (corrupted chunk)")
-    out = np.full(tokens * k, -1, np.int32)
-    out[_slots(n, k)] = ids
-    return out.reshape(tokens, k)
+    # gap + 1 per entry: the first entry of a token gives id + 1, the others id - previous id, so a
+    # running sum along each token's row, less one, is the ids
+    steps = read_planes(s[w:], int(n.sum()), what=f"{what} gaps", dtype=np.int32)
+    steps += 1
+    return _ids_from_steps(steps, n, tokens, k, what)
 
 
 # ---------------------------------------------------------------- draw counts
@@ -121,26 +164,32 @@ def decode_draw_counts(buf, tokens: int, k: int, draws: int) -> np.ndarray:
     """uint16 [tokens, k]."""
     what = "draw counts"
     s = unpack_streams(buf, draw_count_streams(draws), limit=_limit(tokens, k))
-    nonempty = read_planes(s[:1], tokens, what=f"{what} flags")
+    nonempty = read_planes(s[:1], tokens, what=f"{what} flags", dtype=np.uint8)
     if nonempty.size and nonempty.max() > 1:
         raise CacheError(f"{what}: flag {int(nonempty.max())}, expected 0 or 1 (corrupted chunk)")
     filled = np.flatnonzero(nonempty)
     if len(s[1]) != 8 or int(s[1].view("<u8")[0]) > tokens * k:
         raise CacheError(f"{what}: the number of entries is missing or more than {tokens} x {k} (corrupted chunk)")
-    counts = read_planes(s[2:], int(s[1].view("<u8")[0]), what=f"{what} counts") + 1
-    total = len(counts)
-    end = np.cumsum(counts)
-    # entry i belongs to the j-th token with entries when its draws lie in (j·N, (j+1)·N]
-    j = (end - 1) // draws
-    if (total and end[-1] != draws * len(filled)) or ((end - counts) // draws != j).any():
+    wide = np.int64 if tokens * draws >= np.iinfo(np.int32).max else np.int32
+    counts = read_planes(s[2:], int(s[1].view("<u8")[0]), what=f"{what} counts", dtype=wide)
+    counts += 1
+    # a token's entries end where the running sum of counts reaches a multiple of N; the j-th such
+    # point must be j·N (no token's counts step over a multiple), the last one the last entry
+    end = np.cumsum(counts, dtype=wide)
+    last = np.flatnonzero(end % draws == 0)
+    if len(last) != len(filled) or (len(last) and (last[-1] != len(counts) - 1 or (
+            end[last] != draws * np.arange(1, len(last) + 1, dtype=wide)).any())) or (len(counts) and not len(last)):
         raise CacheError(f"{what}: counts do not add up to {draws} draws per token (corrupted chunk)")
     n = np.zeros(tokens, np.int64)
-    n[filled] = np.bincount(j, minlength=len(filled))
+    n[filled] = np.diff(last, prepend=-1)
     if n.size and n.max() > k:
         raise CacheError(f"{what}: a token has {int(n.max())} entries, more than K={k} (corrupted chunk)")
-    out = np.zeros(tokens * k, np.uint16)
-    out[_slots(n, k)] = counts
-    return out.reshape(tokens, k)
+    valid = _valid_slots(n, k)
+    if valid is None:
+        return counts.astype(np.uint16).reshape(tokens, k)
+    out = np.zeros((tokens, k), np.uint16)
+    out[valid] = counts
+    return out
 
 
 # ---------------------------------------------------------------- top-K codes
@@ -168,10 +217,108 @@ def decode_topk_codes(buf, tokens: int, k: int) -> np.ndarray:
     w = width_for(k)
     n = _read_n(s[:w], tokens, k, what)
     has = n > 0
-    deepest = read_planes(s[w:w + 2], int(has.sum()), what=f"{what} deepest")
-    codes = np.repeat(deepest, n[has]) - read_planes(s[w + 2:], int(n.sum()), what=f"{what} depths")
+    deepest = read_planes(s[w:w + 2], int(has.sum()), what=f"{what} deepest", dtype=np.int32)
+    depths = read_planes(s[w + 2:], int(n.sum()), what=f"{what} depths", dtype=np.int32)
+    valid = _valid_slots(n, k)
+    if valid is None:  # every token full: deepest code per row, less the depths
+        codes = np.subtract(deepest[:, None], depths.reshape(tokens, k), out=depths.reshape(tokens, k))
+    else:
+        codes = np.repeat(deepest, n[has]) - depths
     if codes.size and (codes.min() < 0 or deepest.max() > MAX_CODE):
         raise CacheError(f"{what}: a code outside 0..{MAX_CODE} (corrupted chunk)")
-    out = np.full(tokens * k, PAD_CODE, np.uint16)
-    out[_slots(n, k)] = codes
-    return out.reshape(tokens, k)
+    if valid is None:
+        return codes.astype(np.uint16)
+    out = np.full((tokens, k), PAD_CODE, np.uint16)
+    out[valid] = codes
+    return out
+
+
+# ---------------------------------------------------------------- topk-v3: id sets by column
+def column_groups(k: int) -> list[tuple[int, int]]:
+    """The slot ranges [a, b) whose id steps share streams: ID_GROUPS about equal ranges (one per
+    slot when K is smaller). In ascending order the j-th id of a top-K set lies deeper in the
+    vocabulary the larger j is, and under a frequency-ordered (BPE) vocabulary its gaps grow with
+    j, so each range gets byte planes of its own, whose statistics zstd codes apart."""
+    g = min(ID_GROUPS, k)
+    bounds = [j * k // g for j in range(g + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def column_id_set_streams(k: int) -> int:
+    return width_for(k) + 4 * len(column_groups(k))
+
+
+def encode_column_id_sets(ids: np.ndarray) -> bytes:
+    k = ids.shape[-1]
+    ids = ids.reshape(-1, k).astype(np.int64)
+    valid = ids >= 0
+    n = _prefix_counts(valid, "id sets")
+    steps = np.diff(ids, axis=1, prepend=-1)  # first id + 1, then the gaps
+    if (ids[~valid] != -1).any() or (steps[valid] < 1).any():
+        raise ValueError("id sets: ids must ascend within a token, padding must be -1")
+    streams = plane_streams(n, width_for(k))
+    for a, b in column_groups(k):
+        streams += plane_streams(steps[:, a:b][valid[:, a:b]], 4)  # tokens in order
+    return pack_streams(streams, ZSTD_LEVEL)
+
+
+def decode_column_id_sets(buf, tokens: int, k: int) -> np.ndarray:
+    """int32 [tokens, k]."""
+    what = "id sets"
+    s = unpack_streams(buf, column_id_set_streams(k), limit=_limit(tokens, k))
+    w = width_for(k)
+    n = _read_n(s[:w], tokens, k, what)
+    valid = _valid_slots(n, k)
+    # the steps' bytes go straight to their place in a [tokens, k, 4] byte array: viewed as
+    # little-endian int32 it is the steps, zeros on padding
+    raw = np.zeros((tokens, k, 4), np.uint8)
+    for g, (a, b) in enumerate(column_groups(k)):
+        count = tokens * (b - a) if valid is None else int(np.count_nonzero(valid[:, a:b]))
+        for j, plane in enumerate(s[w + 4 * g:w + 4 * g + 4]):
+            if len(plane) not in (0, count):
+                raise CacheError(f"{what}: byte plane {j} of slots {a}..{b - 1} holds {len(plane)} bytes, "
+                                 f"expected {count} (or none)")
+            if not len(plane):
+                continue
+            if valid is None:
+                raw[:, a:b, j] = plane.reshape(tokens, b - a)
+            else:
+                target = raw[:, a:b, j]
+                target[valid[:, a:b]] = plane
+    return _ids_from_steps(raw.view("<i4").reshape(tokens, k), n, tokens, k, what)
+
+
+# ---------------------------------------------------------------- topk-v3: probability levels
+def level_streams(k: int) -> int:
+    return width_for(k) + 1
+
+
+def encode_levels(levels: np.ndarray) -> bytes:
+    k = levels.shape[-1]
+    levels = levels.reshape(-1, k)
+    valid = levels != PAD_LEVEL
+    n = _prefix_counts(valid, "levels")
+    if (levels[valid] > MAX_LEVEL).any():
+        raise ValueError(f"levels: a level above {MAX_LEVEL}")
+    return pack_streams([*plane_streams(n, width_for(k)), np.ascontiguousarray(levels[valid], np.uint8)],
+                        ZSTD_LEVEL)
+
+
+def decode_levels(buf, tokens: int, k: int) -> np.ndarray:
+    """uint8 [tokens, k]."""
+    what = "levels"
+    s = unpack_streams(buf, level_streams(k), limit=_limit(tokens, k))
+    w = width_for(k)
+    n = _read_n(s[:w], tokens, k, what)
+    valid = _valid_slots(n, k)
+    levels = s[w]
+    count = tokens * k if valid is None else int(n.sum())
+    if len(levels) != count:
+        raise CacheError(f"{what}: {len(levels)} levels, expected {count}")
+    if count and int(levels.max()) > MAX_LEVEL:
+        raise CacheError(f"{what}: level {int(levels.max())} above {MAX_LEVEL} (corrupted chunk)")
+    if valid is None:
+        return levels.reshape(tokens, k).copy()  # writable, as zarr may expect
+    out = np.full((tokens, k), PAD_LEVEL, np.uint8)
+    out[valid] = levels
+    return out

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from kd_inputs import teacher_topk
+from kd_inputs import sampled_rows, teacher_topk
 from megatron_kd.cache import CacheError, CacheReader, CacheWriter
 from megatron_kd.cache import entry_codecs as ec
 from megatron_kd.cache.codec import PAD_CODE, decode_topk, encode_topk
@@ -31,24 +31,13 @@ from megatron_kd.cache.streams import pack_streams, plane_streams, read_planes, 
 FIXTURE = Path(__file__).parent / "data" / "topk_v1"
 
 
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
 def _tree_bytes(root: Path) -> dict:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
             if p.is_file() and p.name != ".writer.lock"}
-
-
-def draws_of(tokens: int, vocab: int, draws: int, *, zipf: float = 1.0, seed: int = 0):
-    """(ids [tokens, draws], log(count / draws)) of ``draws`` draws per token from a teacher-like
-    distribution, as vocab_parallel_sample hands them over: distinct ids ascending, then padding."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.distributions.StudentT(torch.tensor(10.0)).sample((tokens, vocab)) * 2.0
-    logits -= zipf * torch.log1p(torch.arange(vocab, dtype=torch.float32))
-    picks = torch.multinomial(logits.softmax(-1), draws, replacement=True, generator=g).sort(-1).values
-    ids = torch.full((tokens, draws), -1, dtype=torch.int64)
-    lps = torch.full((tokens, draws), float("-inf"))
-    for t in range(tokens):
-        u, c = torch.unique(picks[t], return_counts=True)
-        ids[t, :len(u)], lps[t, :len(u)] = u, torch.log(c.double() / draws).float()
-    return ids, lps
 
 
 # ---------------------------------------------------------------- 1. sampled-counts-v1
@@ -74,7 +63,7 @@ def test_draw_counts_and_id_sets_round_trip_exactly(seed, k, draws):
 
 def test_sampled_cache_round_trips_ids_and_counts(tmp_path, seed):
     vocab, seq, draws, n = 5000, 32, 16, 5
-    data = [draws_of(seq, vocab, draws, seed=seed + s) for s in range(n)]
+    data = [sampled_rows(seq, vocab, draws, zipf=1.0, generator=_gen(seed + s)) for s in range(n)]
     meta = {"mode": "sampled", "sampled_draws": draws}
     with CacheWriter(tmp_path / "c", vocab_size=vocab, topk=draws, seq_length=seq, num_samples=n, rows_per_shard=2,
                      metadata=meta) as w:
@@ -214,7 +203,7 @@ def test_unknown_codec_is_refused_with_one_line(tmp_path, capsys, encoding, name
 def test_array_of_another_codec_is_refused(tmp_path):
     kw = dict(vocab_size=100, topk=8, seq_length=4, num_samples=1, metadata={"mode": "sampled", "sampled_draws": 8})
     with CacheWriter(tmp_path / "c", **kw) as w:
-        w.write(0, *draws_of(4, 100, 8))
+        w.write(0, *sampled_rows(4, 100, 8, zipf=1.0, generator=_gen(0)))
     array = tmp_path / "c" / "dp_00000" / "logprobs" / "zarr.json"
     array.write_text(array.read_text().replace('"draws": 8', '"draws": 9'))
     with pytest.raises(CacheError) as e:
@@ -227,7 +216,7 @@ def test_array_of_another_codec_is_refused(tmp_path):
 def test_resumed_build_is_byte_identical(tmp_path, seed, mode):
     vocab, seq, k, n = 3000, 20, 12, 9
     if mode == "sampled":
-        data = [draws_of(seq, vocab, k, seed=seed + s) for s in range(n)]
+        data = [sampled_rows(seq, vocab, k, zipf=1.0, generator=_gen(seed + s)) for s in range(n)]
         meta = {"mode": "sampled", "sampled_draws": k}
     else:
         torch.manual_seed(seed)
@@ -255,7 +244,7 @@ def test_bytes_per_token_on_synthetic_zipf_data(tmp_path):
     token, sampled-counts-v1 16.2 (topk-v1 on the same rows 40.2); top-32, topk-v2 85.7 (topk-v1 89.6)."""
     vocab, seq, n = 32_768, 64, 8
     torch.manual_seed(0)
-    rows = {"sampled": [draws_of(seq, vocab, 16, seed=s) for s in range(n)],
+    rows = {"sampled": [sampled_rows(seq, vocab, 16, zipf=1.0, generator=_gen(s)) for s in range(n)],
             "topk": [teacher_topk(seq, vocab, 32, zipf=1.0) for _ in range(n)]}
     sizes = {}
     for name, mode, k, codec in [("sampled", "sampled", 16, None), ("sampled-v1", "sampled", 16, "topk-v1"),
