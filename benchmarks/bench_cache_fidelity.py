@@ -5,6 +5,8 @@
         --set vocab=8192 --set corpus_bytes=3000000 --set bpe_bytes=3000000
     python benchmarks/bench_cache_fidelity.py sweep --size cpu --out /tmp/cache-sweep
     python benchmarks/bench_cache_fidelity.py sweep --size gpu --out runs/cache-sweep [--resume]
+    python benchmarks/bench_cache_fidelity.py quality --size cpu --out /tmp/cache-quality \
+        --codecs topk-v2,topk-v3 --tails renorm,ghost,none
 
 ``rows``: the fidelity benchmark's corpus, BPE and teacher (benchmarks/bench_fidelity.py, its
 preset and ``--set`` overrides), then its teacher pass (``capture_teacher``) over ``--rows`` of the
@@ -21,7 +23,15 @@ its own per N (written with the default codec, sampled-counts-v1). Reports held-
 KL(T||S) against online KD and against bytes/token on disk, and which configurations meet the
 issue's target (<= 40 bytes/token and held-out CE within 1% of online KD).
 
-OUT/rows.json, OUT/rows.md or OUT/sweep.json, OUT/sweep.md hold the numbers.
+``quality``: a lossy codec against a lossless one on the student it trains. One teacher pass over
+every student sample (top-``--topk``), kept in memory; the same rows written once per codec of
+``--codecs``; then bench_fidelity's student (same initialization, data order and recipe) trained
+once per codec and tail of ``--tails`` on each cache. The only difference between the runs of one
+tail is the codec's rounding of the log-probs. Reports held-out CE and KL(T||S) per run and the
+paired difference to the first codec.
+
+OUT/rows.json, OUT/rows.md, OUT/sweep.json, OUT/sweep.md or OUT/quality.json, OUT/quality.md hold
+the numbers.
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cache  # noqa: E402
 import bench_fidelity as bf  # noqa: E402
 
-TOP_K_CODECS = ("topk-v1", "topk-v2")
+TOP_K_CODECS = ("topk-v1", "topk-v2", "topk-v3")
 SAMPLED_CODECS = ("topk-v1", "sampled-counts-v1")
 TARGET_BYTES, TARGET_GAP = 40.0, 0.01
 
@@ -125,6 +135,62 @@ def rows_markdown(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_quality(args, preset: bf.Preset, out: Path) -> dict:
+    from megatron_kd.cache import CacheWriter
+    from megatron_kd.cache.inspect import store_bytes
+    from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
+
+    bench = bf.Bench(preset, out, bf.default_device(), bf.autocast_dtype("auto", bf.default_device()), log)
+    shutil.rmtree(out / "work", ignore_errors=True)
+    shutil.rmtree(out / "tensorboard", ignore_errors=True)
+    bench.work.mkdir(parents=True, exist_ok=True)
+    bench.build_data()
+    bench.train_teacher()
+    samples = preset.student_steps * preset.micro_batch_size
+    t = time.perf_counter()
+    (_, k, pool), = teacher_streams(bench, samples, args.topk, []).values()
+    log(f"teacher pass: {samples} samples x {preset.seq_length} tokens, top-{k}, {time.perf_counter() - t:.0f} s")
+    meta = {"mode": "topk", "packing": bench.packing.mode, "teacher_fingerprint": "bench-cache-fidelity-quality",
+            "tokenizer_fingerprint": tokenizer_fingerprint(bench.tok),
+            "dataset_fingerprint": dataset_fingerprint(bench.student_ds)}
+    results = {"preset": bench.results["preset"], "teacher": {key: bench.results["teacher"][key]
+                                                              for key in ("parameters", "steps", "heldout_ce")},
+               "vocab": bench.vocab, "topk": k, "samples": samples, "codecs": {}, "runs": {}}
+    cache = f"top{k}"
+    for codec in args.codecs:
+        path = bench.work / "caches" / f"{cache}-{codec}"
+        with CacheWriter(path, vocab_size=bench.vocab, topk=k, seq_length=preset.seq_length, num_samples=samples,
+                         micro_batch_size=preset.micro_batch_size, metadata=meta, codec=codec) as w:
+            for sample, (ids, lps) in enumerate(pool):
+                w.write(sample, ids, lps)
+        results["codecs"][codec] = {"bytes_per_token": store_bytes(path) / (samples * preset.seq_length)}
+        bench.caches[cache], bench.results["caches"][cache] = path, results["codecs"][codec]
+        for tail in args.tails:
+            v = replace(bf.parse_variant(f"{cache}-{tail}"), name=f"{cache}-{tail} {codec}")
+            bench.train_student(v)
+            r = bench.results["variants"][v.name]
+            results["runs"][v.name] = {"codec": codec, "tail": tail, "heldout_ce": r["heldout_ce"],
+                                       "heldout_kl": r["heldout_kl"]}
+    bench.tb.close()
+    shutil.rmtree(out / "work", ignore_errors=True)
+    return results
+
+
+def quality_markdown(r: dict) -> str:
+    first = next(iter(r["codecs"]))
+    lines = [f"# Codec quality on the student (BPE {r['vocab']:,}, top-{r['topk']}, {r['samples']} samples)", "",
+             f"Teacher {r['teacher']['parameters']:,} parameters, held-out CE {r['teacher']['heldout_ce']:.4f}. "
+             f"Paired runs: the same student start, data order and recipe; only the cache's codec differs.", "",
+             "| tail | codec | bytes/token | held-out CE | vs " + first + " | KL(T‖S) | KL vs " + first + " |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for run in r["runs"].values():
+        base = r["runs"][f"top{r['topk']}-{run['tail']} {first}"]
+        lines.append(f"| {run['tail']} | {run['codec']} | {r['codecs'][run['codec']]['bytes_per_token']:.1f} | "
+                     f"{run['heldout_ce']:.4f} | {run['heldout_ce'] / base['heldout_ce'] - 1:+.3%} | "
+                     f"{run['heldout_kl']:.4f} | {run['heldout_kl'] / base['heldout_kl'] - 1:+.2%} |")
+    return "\n".join(lines) + "\n"
+
+
 def sweep_variants(draws: list[int]) -> list[str]:
     return ["ce", "online", *(f"sampled{n}" for n in draws), "top100-renorm"]
 
@@ -165,7 +231,7 @@ def log(msg: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("rows", "sweep"))
+    parser.add_argument("what", choices=("rows", "sweep", "quality"))
     parser.add_argument("--size", choices=sorted(bf.PRESETS), default="cpu")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a preset field (bench_fidelity)")
@@ -174,10 +240,14 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=128, help="rows: samples per stream")
     parser.add_argument("--rows-per-shard", type=int, default=32, help="rows: samples per shard file")
     parser.add_argument("--repeats", type=int, default=3, help="rows: read passes (best of)")
+    parser.add_argument("--codecs", default="topk-v2,topk-v3", help="quality: top-K codecs, the reference first")
+    parser.add_argument("--tails", default="renorm,ghost,none", help="quality: loss tails")
     parser.add_argument("--resume", action="store_true", help="continue a stopped run in --out (same settings)")
     args = parser.parse_args(argv)
     try:
         args.draws = [int(x) for x in args.draws.split(",") if x.strip()]
+        args.codecs = [c for c in args.codecs.split(",") if c.strip()]
+        args.tails = [t for t in args.tails.split(",") if t.strip()]
         preset = replace(bf.PRESETS[args.size], **bf.preset_overrides(args.set))
     except ValueError as e:
         parser.error(str(e))
@@ -186,12 +256,18 @@ def main(argv=None) -> int:
 
     if bf.default_device().type == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-    if args.what == "rows":
+    if args.what in ("rows", "quality"):
         _init_single_process()
         if bf.default_device().type == "cuda":
             from megatron.core import tensor_parallel
 
             tensor_parallel.model_parallel_cuda_manual_seed(preset.seed)
+        if args.what == "quality":
+            results = run_quality(args, preset, args.out)
+            (args.out / "quality.json").write_text(json.dumps(results, indent=1))
+            (args.out / "quality.md").write_text(quality_markdown(results))
+            print(quality_markdown(results))
+            return 0
         results = run_rows(args, preset, args.out)
         (args.out / "rows.json").write_text(json.dumps(results, indent=1))
         (args.out / "rows.md").write_text(rows_markdown(results))

@@ -243,11 +243,16 @@ def _tables(draws: int) -> dict[str, np.ndarray]:
 
 class RowDecoder:
     """The reader's last step: stored (ids, logprobs) values -> (ids int32 / ``ids_dtype``, float32
-    log-probs) tensors, for one store's codec."""
+    log-probs) tensors, for one store's codec. topk-v3's uint8 levels are looked up two at a time
+    (a 65,536-entry table of float32 pairs, 512 KiB): half the index conversions and gathers."""
 
     def __init__(self, codec: str, draws: int, ids_dtype: torch.dtype = torch.int32):
         self.codec, self.ids_dtype = codec, ids_dtype
         self._table = None if codec == TOPK_V1 else _tables(draws)[codec]
+        self._pairs = None
+        if codec == TOPK_V3:  # entry (hi << 8 | lo) holds (table[lo], table[hi]): little-endian uint16
+            lo, hi = np.meshgrid(self._table, self._table)
+            self._pairs = np.ascontiguousarray(np.stack([lo, hi], -1)).view(np.float64).reshape(-1)
 
     def __call__(self, ids: np.ndarray, values: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         from megatron_kd.cache.codec import decode_topk
@@ -257,4 +262,9 @@ class RowDecoder:
         out_ids = torch.from_numpy(np.ascontiguousarray(ids))
         if self.ids_dtype != torch.int32:
             out_ids = out_ids.to(self.ids_dtype)
-        return out_ids, torch.from_numpy(np.take(self._table, values))
+        values = np.ascontiguousarray(values)
+        if self._pairs is not None and values.size % 2 == 0:
+            lps = np.take(self._pairs, values.reshape(-1).view("<u2")).view(np.float32).reshape(values.shape)
+        else:
+            lps = np.take(self._table, values)
+        return out_ids, torch.from_numpy(lps)

@@ -241,14 +241,16 @@ def test_resumed_build_is_byte_identical(tmp_path, seed, mode):
 def test_bytes_per_token_on_synthetic_zipf_data(tmp_path):
     """Regression guard on synthetic Zipf(1) data (i.i.d. tokens: no neighbour overlap to exploit).
     Shard bytes per token, measured 2026-12-01 (2-core CPU machine, commit 451fcd5+): 16 draws per
-    token, sampled-counts-v1 16.2 (topk-v1 on the same rows 40.2); top-32, topk-v2 85.7 (topk-v1 89.6)."""
+    token, sampled-counts-v1 16.2 (topk-v1 on the same rows 40.2); top-32, topk-v2 85.7 (topk-v1 89.6);
+    topk-v3 63.7 (2026-12-01, commit 0890af1+)."""
     vocab, seq, n = 32_768, 64, 8
     torch.manual_seed(0)
     rows = {"sampled": [sampled_rows(seq, vocab, 16, zipf=1.0, generator=_gen(s)) for s in range(n)],
             "topk": [teacher_topk(seq, vocab, 32, zipf=1.0) for _ in range(n)]}
     sizes = {}
     for name, mode, k, codec in [("sampled", "sampled", 16, None), ("sampled-v1", "sampled", 16, "topk-v1"),
-                                 ("topk", "topk", 32, None), ("topk-v1", "topk", 32, "topk-v1")]:
+                                 ("topk", "topk", 32, "topk-v2"), ("topk-v1", "topk", 32, "topk-v1"),
+                                 ("topk-v3", "topk", 32, "topk-v3")]:
         meta = {"mode": mode, "sampled_draws": k if mode == "sampled" else 0}
         path = tmp_path / name
         with CacheWriter(path, vocab_size=vocab, topk=k, seq_length=seq, num_samples=n, metadata=meta,
@@ -259,3 +261,4 @@ def test_bytes_per_token_on_synthetic_zipf_data(tmp_path):
         sizes[name] = (store_bytes(path) / (n * seq), data / (n * seq))
     assert sizes["sampled"][1] < 17.5 and sizes["sampled"][1] < 0.5 * sizes["sampled-v1"][1], sizes
     assert sizes["topk"][1] < 88.0 and sizes["topk"][1] < sizes["topk-v1"][1], sizes
+    assert sizes["topk-v3"][1] < 66.0 and sizes["topk-v3"][1] < 0.8 * sizes["topk"][1], sizes
