@@ -285,3 +285,38 @@ def test_plan_bytes_per_parameter_are_what_the_state_holds():
     opt.step()
     assert opt.state_bytes() / n == optimizer_memory("bf16-sr-8bit").state == 2 * (1 + 4 / 256)
     assert optimizer_memory("bf16-sr-8bit").gradient == 2.0
+
+
+def test_compiled_update_is_one_graph_per_kind_of_tensor_whatever_the_step(monkeypatch):
+    """The per-step numbers (lr under a schedule, bias corrections) reach the compiled update as a
+    tensor: steps with new numbers reuse its graphs (one per kind of tensor: 8-bit or fp32 moments,
+    bf16 or fp32 parameter) instead of compiling new ones until torch.compile's recompile limit sends
+    every update to the eager path. aot_eager traces as inductor does, without generating code."""
+    import functools
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    shapes = ((3 * quantize.BLOCK * 20 + 5, torch.bfloat16), (300, torch.bfloat16), (5000, torch.float32))
+    params = [torch.nn.Parameter((torch.randn(n) * 0.05).to(dtype)) for n, dtype in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    groups = lambda ps: [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "weight_decay": 0.0}]
+    compiled, eager = (Bf16Adam(groups(ps), lr=1e-3, compile=c, seed=3) for ps, c in ((params, True), (twins, False)))
+    for step in range(5):
+        for opt in (compiled, eager):
+            for group in opt.param_groups:
+                group["lr"] = 1e-3 * 0.7 ** step  # a new number every step, as a schedule gives
+        for p, q in zip(params, twins):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        compiled.step()
+        eager.step()
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    for p, q in zip(params, twins):
+        diff = (p.detach().double() - q.detach().double()).abs()
+        assert (diff <= _bf16_ulp(q.detach().double())).all()  # one rounding decision at most
+        assert (diff == 0).double().mean() > 0.99
