@@ -4,6 +4,8 @@ GEMMs) and "triton" (one block in the input dtype, one pass over it per chunk); 
 Skipped without a GPU (CI is CPU-only); run on the device machine with the same command.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -193,10 +195,31 @@ def test_cuda_reverse_and_jsd_gradient_accumulation_fusion(seed, divergence, tai
     assert rel_err(weight.main_grad, gw_ref) <= 1e-2
 
 
+class _RoundedToBf16(torch.autograd.Function):
+    """Logits rounded to bf16 in forward and their gradient rounded to bf16 in backward: what the
+    Triton path's [chunk × V_local] block holds (bf16 logits, then the bf16 gradient the two GEMMs read)."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        return logits.bfloat16().to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.bfloat16().to(grad.dtype)
+
+
 @pytest.mark.parametrize("divergence, tail, ce_weight", [("reverse", "renorm", 0.0), ("jsd", "ghost", 0.5)])
-def test_cuda_triton_reverse_and_jsd_rows_far_above_their_teacher_entries(seed, divergence, tail, ce_weight):
+def test_cuda_triton_reverse_and_jsd_rows_far_above_their_teacher_entries(seed, divergence, tail, ce_weight,
+                                                                          monkeypatch):
     """bf16 rows with one logit 60 nats above the rest, away from the teacher entries and the label
-    (raised references, rows written whole); the CPU tests walk the same rows through the interpreter."""
+    (raised references, rows written whole); the CPU tests walk the same rows through the interpreter.
+
+    The bound: the float64 reference of the same inputs with the block's two bf16 roundings applied
+    (the yardstick) is off by what bf16 logits cost. Reverse KL's gradient Q_i·(log Q_i − log P_i − KL)
+    grows the logits' rounding by its log-ratio factor, which these rows make large: 0.7-1.3% on the
+    hidden and weight gradients (CPU, seeds 0-3), where the H200 measured 1.00-1.07% against a
+    fixed 1e-2. So each tensor must be within twice its yardstick plus 2^-8 (its own bf16 rounding),
+    and never looser than the dtype's 1e-2 needs."""
     x = make_inputs(s=32, b=2, h=64, vocab=20_000, k=100)
     hot, rows = 19_000, [(0, 0), (7, 1), (31, 0)]
     for s_, b_ in rows:
@@ -207,11 +230,19 @@ def test_cuda_triton_reverse_and_jsd_rows_far_above_their_teacher_entries(seed, 
     h, w = x.hidden.bfloat16(), x.weight.bfloat16()
     kw = dict(labels=x.labels, ce_weight=ce_weight, tail=tail, divergence=divergence)
     ref = loss_and_grads(topk_kl_reference, x, hidden=h.double(), weight=w.double(), **kw)
+    reference_module = importlib.import_module("megatron_kd.ops.topk_kl_reference")
+    exact_logits = reference_module._full_vocab_logits
+    with monkeypatch.context() as patch:
+        patch.setattr(reference_module, "_full_vocab_logits", lambda *a: _RoundedToBf16.apply(exact_logits(*a)))
+        yard = loss_and_grads(topk_kl_reference, x, hidden=h.double(), weight=w.double(), **kw)
     cuda = x.to("cuda")
     got = loss_and_grads(fused_topk_kl, cuda, hidden=h.cuda(), weight=w.cuda(), chunk_size=40, impl="triton",
                          **{k: v.cuda() if torch.is_tensor(v) else v for k, v in kw.items()})
-    for a, b in zip(got[:1] + got[2:], ref[:1] + ref[2:]):
+    for name, a, y, b in zip(("loss", "grad_hidden", "grad_weight"), got[:1] + got[2:], yard[:1] + yard[2:],
+                             ref[:1] + ref[2:]):
         assert torch.isfinite(a).all()
-        assert rel_err(a.cpu(), b) <= 1e-2
+        bound = max(1e-2, 2 * rel_err(y, b) + 2**-8)
+        assert rel_err(a.cpu(), b) <= bound, (name, rel_err(a.cpu(), b), bound)
     for s_, b_ in rows:
-        assert rel_err(got[2][s_, b_].cpu(), ref[2][s_, b_]) <= 1e-2, (s_, b_)
+        bound = max(1e-2, 2 * rel_err(yard[2][s_, b_], ref[2][s_, b_]) + 2**-8)
+        assert rel_err(got[2][s_, b_].cpu(), ref[2][s_, b_]) <= bound, (s_, b_)
