@@ -70,6 +70,8 @@ def level_probabilities() -> np.ndarray:
 
 def _prefix_counts(valid: np.ndarray, what: str) -> np.ndarray:
     """Entries per token of ``valid`` [T, K]; ValueError unless each token's valid slots come first."""
+    if valid.all():
+        return np.full(valid.shape[0], valid.shape[1], np.int64)
     n = valid.sum(1)
     if not (valid == (np.arange(valid.shape[1]) < n[:, None])).all():
         raise ValueError(f"{what}: a token has padding before an entry")
@@ -267,7 +269,9 @@ def encode_column_id_sets(ids: np.ndarray) -> bytes:
     valid = ids >= 0
     n = _prefix_counts(valid, "id sets")
     full = valid.all()
-    steps = np.diff(ids, axis=1, prepend=np.int32(-1))  # first id + 1, then the gaps
+    steps = np.empty_like(ids)  # first id + 1, then the gaps
+    steps[:, 0] = ids[:, 0] + 1
+    np.subtract(ids[:, 1:], ids[:, :-1], out=steps[:, 1:])
     if (steps.min(initial=1) if full else np.where(valid, steps, 1).min(initial=1)) < 1:
         raise ValueError("id sets: ids must ascend within a token, padding must be -1")
     streams = plane_streams(n, width_for(k))
