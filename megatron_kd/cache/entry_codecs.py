@@ -345,20 +345,23 @@ def decode_levels(buf, tokens: int, k: int) -> np.ndarray:
     if len(context) != tokens or (tokens and int(context.max()) >= LEVEL_CONTEXTS):
         raise CacheError(f"{what}: {len(context)} token contexts, expected {tokens} below {LEVEL_CONTEXTS} "
                          f"(corrupted chunk)")
-    out = np.full((tokens, k), PAD_LEVEL, np.uint8)
-    for c, levels in enumerate(s[w + 1:]):
-        rows = context == c
-        count = int(n[rows].sum())
-        if len(levels) != count:
-            raise CacheError(f"{what}: context {c} holds {len(levels)} levels, expected {count} (corrupted chunk)")
-        if not count:
-            continue
-        if int(levels.max()) > MAX_LEVEL:
-            raise CacheError(f"{what}: level {int(levels.max())} above {MAX_LEVEL} (corrupted chunk)")
-        if valid is None:
-            out[rows] = levels.reshape(-1, k)
-        else:
-            target = out[rows]
-            target[valid[rows]] = levels
-            out[rows] = target
+    # the streams one after the other hold the tokens' levels in order of (context, token)
+    order = np.argsort(context, kind="stable")
+    token_ends = np.cumsum(np.bincount(context, minlength=LEVEL_CONTEXTS))
+    entry_ends = np.cumsum(n[order])[token_ends - 1] if tokens else np.zeros(LEVEL_CONTEXTS, np.int64)
+    entry_ends[token_ends == 0] = 0
+    held = np.cumsum([len(x) for x in s[w + 1:]])
+    if not np.array_equal(held, entry_ends):
+        raise CacheError(f"{what}: the context streams hold {held.tolist()} levels in all, expected "
+                         f"{entry_ends.tolist()} (corrupted chunk)")
+    levels = np.concatenate(s[w + 1:])
+    if levels.size and int(levels.max()) > MAX_LEVEL:
+        raise CacheError(f"{what}: level {int(levels.max())} above {MAX_LEVEL} (corrupted chunk)")
+    out = np.empty((tokens, k), np.uint8)
+    if valid is None:
+        out[order] = levels.reshape(tokens, k)
+    else:
+        in_order = np.full((tokens, k), PAD_LEVEL, np.uint8)
+        in_order[valid[order]] = levels
+        out[order] = in_order
     return out

@@ -177,7 +177,7 @@ def test_damaged_chunks_are_one_line_cache_errors(seed):
     cases += [(lambda: ec.decode_levels(forged_levels(zeros, np.full(tokens * k, ec.MAX_LEVEL + 1, np.uint8)),
                                         tokens, k), "above"),
               (lambda: ec.decode_levels(forged_levels(zeros, np.zeros(tokens * k - 1, np.uint8)), tokens, k),
-               "holds"),
+               "hold"),
               (lambda: ec.decode_levels(forged_levels(zeros + ec.LEVEL_CONTEXTS, np.zeros(0, np.uint8)), tokens, k),
                "contexts")]
     for decode, words in cases:
