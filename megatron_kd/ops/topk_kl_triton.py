@@ -87,7 +87,8 @@ SPARSE_RATIO = tl.constexpr(2.0**40)
 @triton.jit
 def exp_stats_kernel(
     z_ptr, z_stride,  # in: logits; out (WRITE): E = exp((z - r)/τ) in place
-    idx_ptr, owned_ptr, target_ptr,  # [c, K] teacher entries (local column, 1/0, B_v·owned)
+    idx_ptr, owned_ptr, target_ptr, repeat_ptr,  # [c, K] teacher entries (local column, 1/0, B_v·owned,
+    # 1/0 at a column an earlier entry names: REST_SUM only)
     label_idx_ptr, label_owned_ptr,  # [c] (unused without labels)
     stats_ptr, zs_ptr, ref_ptr,  # out: [c, NUM_STATS] fp32, [c, K] fp32, [c, NUM_TILES] the r of each tile
     K, scale_t, steep,  # scale_t = log2(e)/τ; steep: the larger of the exp2 scales summed (headroom)
@@ -156,9 +157,7 @@ def exp_stats_kernel(
     out = stats_ptr + row * NUM_STATS
     if REST_SUM:  # sum_t is the rest; the row's sum adds the entries' columns once each
         # (topk_kl_torch.repeated_entries: an owned entry whose column an earlier one names)
-        repeat = tl.sum(((idx[:, None] == idx[None, :]) & is_owned[None, :]
-                         & (k[None, :] < k[:, None])).to(tl.int32), axis=1) > 0
-        repeat = repeat & is_owned
+        repeat = is_owned & (tl.load(repeat_ptr + row * K + k, mask=kmask, other=0.0) != 0)
         tl.store(out + I_REST, sum_t - tl.sum(tl.where(repeat, e_s, 0.0), axis=0))
         sum_t += tl.sum(tl.where(repeat, 0.0, e_s), axis=0)
         if SEPARATE_SUM_1:
@@ -533,6 +532,7 @@ def exp_row_stats_(
     exp_stats_kernel[(rows,)](
         block, block.stride(0),
         teacher.local_idx, teacher.owned, teacher.target_owned,
+        teacher.repeat if teacher.rest_mass is not None else teacher.owned,
         label_idx if has_labels else stats, label_owned if has_labels else stats,
         stats, z_s, refs if keep_refs else stats,
         k, scale_t, max(scale_t, LOG2E.value) if separate_sum_1 else scale_t,

@@ -296,3 +296,21 @@ def test_ghost_mass_rounding_near_one(seed, excess):
     x.topk_logprobs = lp
     kw = dict(tail="ghost", loss_mask=x.loss_mask)
     _check(loss_and_grads(fused_topk_kl, x, **kw), loss_and_grads(topk_kl_reference, x, **kw), 1e-12)
+
+
+def test_repeated_entries_are_the_later_listings_of_an_owned_column(seed):
+    """The sort-based mask against its definition, pair by pair: True at an owned entry whose column
+    an earlier owned entry of the row names (the first listing stays False; unowned never count)."""
+    from megatron_kd.ops.topk_kl_torch import repeated_entries
+
+    local_idx = torch.randint(0, 6, (64, 9))
+    owned = (torch.rand(64, 9) < 0.8).float()
+    local_idx = torch.where(owned != 0, local_idx, 0)  # as teacher_terms leaves unowned entries
+    got = repeated_entries(local_idx, owned)
+    own = owned != 0
+    want = torch.zeros_like(own)
+    for r in range(64):
+        for j in range(9):
+            want[r, j] = bool(own[r, j] and any(own[r, i] and local_idx[r, i] == local_idx[r, j] for i in range(j)))
+    assert want.any() and (~want & own).any()
+    assert torch.equal(got, want)
