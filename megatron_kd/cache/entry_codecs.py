@@ -102,18 +102,24 @@ def _ids_from_steps(steps, n: np.ndarray, tokens: int, k: int, what: str) -> np.
     padding). Running sums along each token's row, less one; -1 on padding. CacheError for a step
     below 1 or an id past int32 (what corrupted bytes give)."""
     valid = _valid_slots(n, k)
-    if steps.ndim == 1:
+    if steps.ndim == 1:  # the entries alone: check them before they are spread over the rows
+        low = steps.min(initial=1)
         if valid is None:
             steps = steps.reshape(tokens, k)
         else:
             flat, steps = steps, np.zeros((tokens, k), np.int32)
             steps[valid] = flat
-    # with every step in [1, 2^31) a running sum that passes 2^31 - 1 wraps to a negative number at
-    # that entry, so "steps >= 1, sums >= 1" is "ids ascending and within int32"
-    if steps.size and (steps.min() if valid is None else np.where(valid, steps, 1).min()) < 1:
+    else:
+        low = steps.min(initial=1) if valid is None else np.where(valid, steps, 1).min(initial=1)
+    if low < 1:
         raise CacheError(f"{what}: ids not ascending (corrupted chunk)")
+    # with every step in [1, 2^31) a running sum that passes 2^31 - 1 wraps to a negative number at
+    # that entry, so "steps >= 1, sums >= 1" is "ids ascending and within int32"; rows with padding
+    # (zero steps there) are checked by their sums instead
+    if valid is not None and steps.size and steps.sum(1, dtype=np.int64).max() > np.iinfo(np.int32).max:
+        raise CacheError(f"{what}: an id past int32 (corrupted chunk)")
     ids = np.cumsum(steps, axis=1, dtype=np.int32, out=steps)
-    if ids.size and (ids.min() if valid is None else np.where(valid, ids, 1).min()) < 1:
+    if valid is None and ids.min(initial=1) < 1:
         raise CacheError(f"{what}: an id past int32 (corrupted chunk)")
     ids -= 1
     if valid is not None:
