@@ -410,6 +410,25 @@ def unsharded_optimizer_gib(args, opts) -> float:
     return dense * _optimizer_bytes_per_param(args) * (1 - 1 / opts.rank_of) / GIB
 
 
+NVLINK_GB_S = 450  # H200 NVLink 4: 900 GB/s per GPU, the two directions together
+
+
+def all_to_all_estimate(args, opts) -> dict:
+    """What the expert all-to-alls of a real rank of ``--rank-of N`` move, which the one-GPU run
+    leaves out: each dispatch and each combine sends every routed token's hidden state (top-k copies,
+    bf16) whose expert lives elsewhere, (N - 1)/N of them under uniform routing; per micro-batch
+    both run in forward and in backward on every layer, and in forward again on each recomputed
+    layer. The time is a lower bound: those bytes at NVLink's per-direction bandwidth, nothing
+    overlapped with compute."""
+    per_pass = opts.seq * args.moe_router_topk * args.hidden_size * 2 * (1 - 1 / opts.rank_of)
+    recomputed = 0
+    if args.recompute_granularity == "full":
+        recomputed = args.num_layers if args.recompute_method == "uniform" else args.recompute_num_layers
+    passes = 4 * args.num_layers + 2 * recomputed
+    gb = per_pass * passes * opts.global_batch_size / 1e9  # micro-batches of one sample, one data-parallel rank
+    return {"all_to_all_gb": gb, "all_to_all_s": gb / NVLINK_GB_S}
+
+
 def rank_note(results: dict) -> str:
     if not results.get("rank_of"):
         return ""
@@ -579,6 +598,12 @@ def markdown(results: dict) -> str:
         megatron = f"{r['megatron_tflops_per_gpu']:.0f}" if "megatron_tflops_per_gpu" in r else ""
         lines.append(f"| {label} | {r['step_s']:.2f} | {r['tflops_per_gpu']:.0f} | {megatron} "
                      f"| {peak} | {r['plan_gib']:.1f} | {err} |")
+    moved = {label: r for label, r in results["runs"].items() if "all_to_all_s" in r}
+    if moved:
+        lines += ["", f"The expert all-to-alls a real rank adds (not run here; uniform routing, at least this at "
+                  f"{NVLINK_GB_S} GB/s per direction, none of it overlapped): "
+                  + "; ".join(f"{label}: {r['all_to_all_gb']:.0f} GB, {r['all_to_all_s']:.2f} s per step"
+                              for label, r in moved.items())]
     snapshots = [label for label, r in results["runs"].items() if r.get("memory_snapshot")]
     if snapshots:
         lines += ["", "Runs with --memory-snapshot (their step times include writing the snapshot): "
@@ -627,6 +652,8 @@ def main(argv=None):
         rc, text = torchrun(opts, ["train", *flags], opts.out / f"train_{slug(label)}.log")
         r = {"loss": loss, "layout_flags": layout_flags(config), "rc": rc, **parse_log(text),
              "plan_gib": plan_gib(flags, opts.gpus, loss)}
+        if opts.rank_of:
+            r.update(all_to_all_estimate(plan_args(flags, opts.gpus)[0], opts))
         if r["step_s"]:
             r["tflops_per_gpu"] = results["model_tflop_per_step"] / opts.gpus / r["step_s"]
             r["megatron_tflops_per_gpu"] = results["megatron_tflop_per_step"] / opts.gpus / r["step_s"]

@@ -211,3 +211,21 @@ def test_memory_snapshot_without_history_says_so():
         {"address": 1, "size": 2**30, "state": "active_allocated", "frames": []}]}], "device_traces": [[]]})
     assert not s["history"] and "not started" in s["note"]
     assert s["steady"]["allocated_gib"] == s["peak"]["allocated_gib"] == 1
+
+
+def test_all_to_all_estimate_of_a_rank(tmp_path):
+    """The bytes a real rank's expert all-to-alls send: 32,768 tokens x top-4 x 2,880 x 2 bytes, 7/8
+    of them off the rank, 4 passes per layer (dispatch and combine, forward and backward) plus 2 per
+    recomputed layer, 2 micro-batches."""
+    from bench_node import all_to_all_estimate
+
+    from megatron_kd.megatron.plan import plan_args
+
+    per_pass = 32768 * 4 * 2880 * 2 * 7 / 8
+    for recompute, recomputed in (("block:14", 14), ("full", 24), ("none", 0)):
+        opts = parse(["--size", "20b", "--rank-of", "8", "--recompute", recompute, "--out", str(tmp_path)])
+        (config,) = opts.configs
+        args, _ = plan_args([*train_flags(opts, "/d"), *layout_flags(config)], opts.gpus)
+        got = all_to_all_estimate(args, opts)
+        assert got["all_to_all_gb"] == pytest.approx(per_pass * (4 * 24 + 2 * recomputed) * 2 / 1e9)
+        assert got["all_to_all_s"] == pytest.approx(got["all_to_all_gb"] / 450)
