@@ -180,6 +180,7 @@ def test_topk_v1_is_written_as_before(tmp_path):
 
 # ---------------------------------------------------------------- 4. refusals
 @pytest.mark.parametrize("encoding, named", [({"codec": "sampled-counts-v9"}, "sampled-counts-v9"),
+                                             ({"codec": "topk-v4"}, "topk-v4"),
                                              ({"codec": "topk-v2", "level": 3}, "topk-v2"),
                                              ("topk-v1", "encoding")])
 def test_unknown_codec_is_refused_with_one_line(tmp_path, capsys, encoding, named):
