@@ -8,14 +8,25 @@
                        zstd streams without padding (entry_codecs.py). Same values as topk-v1.
     sampled-counts-v1  ids: int32 id sets; logprobs: uint16 draw counts (the log-probs are
                        log(count / sampled_draws)), byte-plane zstd streams without padding.
+    topk-v3            ids: int32 id sets, their byte planes per slot range; logprobs: uint8
+                       probability levels (lossy, below), in streams by how flat each token is.
 
-``encoding`` of the two newer ones is ``{"codec": NAME}``. The arrays' chunk codecs are zarr
+topk-v3's levels: u(p) = log(p + c) - log(1 + c - p), c = 2^-12, rounded to steps of 1/8 from u(0)
+(level 0) to u(1) (level 133), decoded to the middle of the step. So |p̂ - p| <= (e^(1/16) - 1) ·
+(min(p, 1 - p) + c): 6.5% of p, or of 1 - p near 1 (a peaked token's rest mass keeps its size),
+and 1.6e-5 absolute below c; plus the float32 rounding of the decoded log-prob. The forward KL's
+gradient with respect to the student's logits is q - p on the entries, so its error per entry is
+that of p (tests/cache/test_encodings_topk_v3.py); a level decodes to a log-prob that codes back
+to the same level, so decoded rows written again give the same bytes.
+
+``encoding`` of the three newer ones is ``{"codec": NAME}``. The arrays' chunk codecs are zarr
 array-to-bytes codecs registered here (``megatron_kd.id_sets_v1`` ...), followed by CRC32C; each
 chunk of an array is coded on its own (no state across chunks), so zarr's sharding, partial
 writes and reads work as for any codec. A store naming another codec is refused with one line.
 
-The writer picks the codec from the mode (sampled -> sampled-counts-v1, top-K -> topk-v2) unless
-told, and an existing store keeps its own (a resumed build stays byte-identical). The reader turns
+Unless told, the writer picks the codec from the mode (sampled -> sampled-counts-v1, top-K ->
+topk-v2: the tests of the cache and of the teacher pass hold the default to 2^-9, so topk-v3 is
+written only when named), and an existing store keeps its own (a resumed build stays byte-identical). The reader turns
 every encoding into the same tensors: ids int32 [n, seq, K] with -1 padding, float32 log-probs
 with -inf padding.
 """

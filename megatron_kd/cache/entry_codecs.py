@@ -1,11 +1,12 @@
-"""Chunk codecs of the entropy-coded encodings: id sets, draw counts, top-K codes.
+"""Chunk codecs of the entropy-coded encodings: id sets, draw counts, top-K codes, levels.
 
 The arrays keep their meaning in memory; only their bytes on disk change. Per token (a chunk's
 tokens flattened, T of them, K slots each) the valid entries come first, padding after:
 
-    ids       int32   ids ascending, then -1                      (topk-v2, sampled-counts-v1)
+    ids       int32   ids ascending, then -1             (topk-v2, sampled-counts-v1, topk-v3)
     counts    uint16  draws of each id (>= 1, summing to N), then 0           (sampled-counts-v1)
     codes     uint16  topk-v1's round(-logprob · 257), then PAD_CODE                    (topk-v2)
+    levels    uint8   the probability's level (level_probabilities), then PAD_LEVEL     (topk-v3)
 
 Each codec writes a chunk as a few byte-plane streams (streams.py):
 
@@ -17,12 +18,21 @@ Each codec writes a chunk as a few byte-plane streams (streams.py):
     top-K codes  n; per token with entries its deepest (largest) code, 2 planes; per entry
                  deepest - code, 2 planes: the log-prob relative to the token's least likely
                  entry, which varies less than the log-prob itself
+    column id sets   (topk-v3) n; per slot range of column_groups, the steps (first id + 1, then
+                 the gap to the previous id) of the tokens' entries in those slots, 4 planes
+    levels       (topk-v3) n; one byte per token: its context, the octile of the chunk's tokens by
+                 mean level; per context the levels of its tokens' entries
 
 Padding costs nothing: a token costs its entries and a symbol or two. Counts are exact, so
 sampled log-probs decode to log(count / N) to float32 rounding (topk-v1 stored them in 1/257-nat
-steps); top-K codes are topk-v1's, so its precision holds. A chunk's content must be in this form
+steps); top-K codes are topk-v1's, so its precision holds; levels are lossy (encodings.py says
+how much). A chunk's content must be in this form
 (the writer sorts each token; rows not written yet are all padding); anything else is a
 ValueError at encoding (a bug, not user data), and bytes that do not decode to it a CacheError.
+
+Decoders are numpy over the whole chunk, in int32: ids are running sums along each token's row of
+a [T, K] matrix of steps (built in place from the byte planes), values a plain copy; padding is
+scattered only when some token of the chunk is not full (top-K chunks rarely, sampled ones always).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Byte streams for the entropy-coded cache encodings (sampled-counts-v1, topk-v2).
+"""Byte streams for the entropy-coded cache encodings (sampled-counts-v1, topk-v2, topk-v3).
 
 A chunk is encoded as a few streams of byte symbols, each compressed with zstd on its own, so that
 every stream's statistics stay apart (zstd codes literals with one Huffman table per block: mixing
