@@ -110,8 +110,14 @@ def decode_topk(id_deltas: np.ndarray, codes: np.ndarray, *, ids_dtype=torch.int
     """Inverse of ``encode_topk``: torch (ids [..., K] with -1 padding, float32 log-probs with -inf)."""
     deltas = torch.from_numpy(np.ascontiguousarray(id_deltas).view(np.int32))  # ids < 2^31
     ids = torch.cumsum(deltas, dim=-1, dtype=ids_dtype)
+    return ids, torch.from_numpy(code_logprobs(codes))
+
+
+def code_logprobs(codes: np.ndarray) -> np.ndarray:
+    """float32 log-probs of uint16 fixed-point codes (topk-v1, topk-v2): -code / LOGPROB_SCALE in
+    float32 arithmetic, -inf for PAD_CODE (three vector passes: half a 65,536-entry table lookup)."""
     codes = np.ascontiguousarray(codes)
     logprobs = codes.astype(np.float32)
     logprobs *= np.float32(-1.0 / LOGPROB_SCALE)
-    logprobs[codes == PAD_CODE] = -np.inf
-    return ids, torch.from_numpy(logprobs)
+    np.putmask(logprobs, codes == PAD_CODE, -np.inf)
+    return logprobs

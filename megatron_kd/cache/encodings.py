@@ -44,7 +44,8 @@ from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec
 
 from megatron_kd.cache import entry_codecs as ec
-from megatron_kd.cache.codec import LOGPROB_SCALE, PAD_CODE, CacheError, encode_topk, logprob_codes, sorted_entries
+from megatron_kd.cache.codec import (LOGPROB_SCALE, PAD_CODE, CacheError, code_logprobs, decode_topk, encode_topk,
+                                     logprob_codes, sorted_entries)
 
 TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1, TOPK_V3 = "topk-v1", "topk-v2", "sampled-counts-v1", "topk-v3"
 CODECS = (TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1, TOPK_V3)
@@ -241,11 +242,11 @@ def probability_levels(sorted_lps: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- reader side: arrays -> tensors
 def _tables(draws: int) -> dict[str, np.ndarray]:
-    codes = np.arange(PAD_CODE + 1, dtype=np.float32) * np.float32(-1.0 / LOGPROB_SCALE)  # as codec.decode_topk
-    codes[PAD_CODE] = -np.inf
+    """Stored value -> float32 log-prob, for the codecs decoded by lookup (topk-v2's codes are
+    decoded by arithmetic: codec.code_logprobs)."""
     levels = np.full(ec.PAD_LEVEL + 1, -np.inf, np.float32)
     levels[:ec.MAX_LEVEL + 1] = np.log(ec.level_probabilities())
-    out = {TOPK_V2: codes, TOPK_V3: levels}
+    out = {TOPK_V3: levels}
     if draws:
         with np.errstate(divide="ignore"):
             out[SAMPLED_COUNTS_V1] = np.log(np.arange(draws + 1, dtype=np.float64) / draws).astype(np.float32)
@@ -259,22 +260,22 @@ class RowDecoder:
 
     def __init__(self, codec: str, draws: int, ids_dtype: torch.dtype = torch.int32):
         self.codec, self.ids_dtype = codec, ids_dtype
-        self._table = None if codec == TOPK_V1 else _tables(draws)[codec]
+        self._table = _tables(draws).get(codec)
         self._pairs = None
         if codec == TOPK_V3:  # entry (hi << 8 | lo) holds (table[lo], table[hi]): little-endian uint16
             lo, hi = np.meshgrid(self._table, self._table)
             self._pairs = np.ascontiguousarray(np.stack([lo, hi], -1)).view(np.float64).reshape(-1)
 
     def __call__(self, ids: np.ndarray, values: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        from megatron_kd.cache.codec import decode_topk
-
         if self.codec == TOPK_V1:
             return decode_topk(ids, values, ids_dtype=self.ids_dtype)
         out_ids = torch.from_numpy(np.ascontiguousarray(ids))
         if self.ids_dtype != torch.int32:
             out_ids = out_ids.to(self.ids_dtype)
         values = np.ascontiguousarray(values)
-        if self._pairs is not None and values.size % 2 == 0:
+        if self.codec == TOPK_V2:
+            lps = code_logprobs(values)
+        elif self._pairs is not None and values.size % 2 == 0:
             lps = np.take(self._pairs, values.reshape(-1).view("<u2")).view(np.float32).reshape(values.shape)
         else:
             lps = np.take(self._table, values)

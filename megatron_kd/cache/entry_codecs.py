@@ -245,17 +245,24 @@ def decode_topk_codes(buf, tokens: int, k: int) -> np.ndarray:
     w = width_for(k)
     n = _read_n(s[:w], tokens, k, what)
     has = n > 0
-    deepest = read_planes(s[w:w + 2], int(has.sum()), what=f"{what} deepest", dtype=np.int32)
-    depths = read_planes(s[w + 2:], int(n.sum()), what=f"{what} depths", dtype=np.int32)
+    deepest = read_planes(s[w:w + 2], int(has.sum()), what=f"{what} deepest", dtype=np.uint16)
+    depths = read_planes(s[w + 2:], int(n.sum()), what=f"{what} depths", dtype=np.uint16)
+    if deepest.size and deepest.max() > MAX_CODE:
+        raise CacheError(f"{what}: a code outside 0..{MAX_CODE} (corrupted chunk)")
     valid = _valid_slots(n, k)
+    # code = deepest - depth in uint16: a depth past its token's deepest code wraps above it
     if valid is None:  # every token full: deepest code per row, less the depths
-        codes = np.subtract(deepest[:, None], depths.reshape(tokens, k), out=depths.reshape(tokens, k))
+        depths = depths.reshape(tokens, k)
+        codes = np.subtract(deepest[:, None], depths, out=depths)
+        wrapped = codes.size and (codes > deepest[:, None]).any()
     else:
-        codes = np.repeat(deepest, n[has]) - depths
-    if codes.size and (codes.min() < 0 or deepest.max() > MAX_CODE):
+        per_entry = np.repeat(deepest, n[has])
+        codes = per_entry - depths
+        wrapped = codes.size and (codes > per_entry).any()
+    if wrapped:
         raise CacheError(f"{what}: a code outside 0..{MAX_CODE} (corrupted chunk)")
     if valid is None:
-        return codes.astype(np.uint16)
+        return codes
     out = np.full((tokens, k), PAD_CODE, np.uint16)
     out[valid] = codes
     return out

@@ -58,7 +58,10 @@ def read_planes(streams: list[np.ndarray], count: int, *, what: str, dtype=np.in
     for j, plane in enumerate(streams):
         if len(plane):
             joined[:, j] = plane
-    return joined.view(_WIDTHS[width]).reshape(count).astype(dtype)
+    values = joined.view(_WIDTHS[width]).reshape(count)
+    if np.dtype(dtype).itemsize == width:  # reinterpreted, not copied: int32 from 4 planes reads
+        return values.view(dtype)          # values of 2^31 and above as negative (callers check)
+    return values.astype(dtype)
 
 
 def width_for(limit: int) -> int:
