@@ -24,7 +24,7 @@ from kd_inputs import sampled_rows, teacher_topk
 from megatron_kd.cache import CacheError, CacheReader, CacheWriter
 from megatron_kd.cache import entry_codecs as ec
 from megatron_kd.cache.codec import PAD_CODE, decode_topk, encode_topk
-from megatron_kd.cache.encodings import TOPK_V1_ENCODING
+from megatron_kd.cache.encodings import TOPK_V1_ENCODING, default_codec
 from megatron_kd.cache.inspect import inspect, store_bytes, verify
 from megatron_kd.cache.streams import pack_streams, plane_streams, read_planes, unpack_streams
 
@@ -106,7 +106,7 @@ def test_topk_v2_decodes_topk_v1_values(tmp_path, seed):
     ids[2, k // 2:] = -1
     ids[3], lps[3] = -1, float("-inf")
     v1_ids, v1_lps = decode_topk(*encode_topk(ids, lps, vocab))
-    with CacheWriter(tmp_path / "c", vocab_size=vocab, topk=k, seq_length=seq, num_samples=1) as w:
+    with CacheWriter(tmp_path / "c", vocab_size=vocab, topk=k, seq_length=seq, num_samples=1, codec="topk-v2") as w:
         w.write(0, ids, lps)
     reader = CacheReader(tmp_path / "c")
     assert reader.meta.codec == "topk-v2"
@@ -235,7 +235,7 @@ def test_resumed_build_is_byte_identical(tmp_path, seed, mode):
         for s in w.pending_samples():
             w.write(int(s), *data[int(s)])
     assert _tree_bytes(tmp_path / "early") == _tree_bytes(tmp_path / "ref")
-    assert CacheReader(tmp_path / "ref").meta.codec == ("sampled-counts-v1" if mode == "sampled" else "topk-v2")
+    assert CacheReader(tmp_path / "ref").meta.codec == default_codec(mode)  # the writer's default
 
 
 # ---------------------------------------------------------------- 6. size guards
