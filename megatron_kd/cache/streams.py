@@ -60,7 +60,7 @@ def read_planes(streams: list[np.ndarray], count: int, *, what: str, dtype=np.in
             joined[:, j] = plane
     values = joined.view(_WIDTHS[width]).reshape(count)
     if np.dtype(dtype).itemsize == width:  # reinterpreted, not copied: int32 from 4 planes reads
-        return values.view(dtype)          # values of 2^31 and above as negative (callers check)
+        return values.view(np.dtype(dtype).newbyteorder("<"))  # 2^31 and above as negative (callers check)
     return values.astype(dtype)
 
 
