@@ -47,7 +47,8 @@ def main():
     for zeros in (False, True):
         compile_sm90(
             exp_stats_kernel,
-            {"z_ptr": "*bf16", "z_stride": "i64", "target_ptr": "*fp32", "ref_ptr": "*fp32", "steep": "fp32", **rows},
+            {"z_ptr": "*bf16", "z_stride": "i64", "target_ptr": "*fp32", "repeat_ptr": "*fp32", "ref_ptr": "*fp32",
+             "steep": "fp32", **rows},
             {**stats, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "I_REST": 6, "HAS_LABELS": True,
              "SEPARATE_SUM_1": not zeros, "WRITE": True, "WRITE_ZEROS": zeros, "REST_SUM": not zeros},
             num_warps=4,
