@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from megatron_kd.cache.encodings import CODECS, SAMPLED_COUNTS_V1
 from megatron_kd.errors import FlagError
 from megatron_kd.ops import DIVERGENCES, IMPLS, TAILS
 from megatron_kd.optim.megatron import DEFAULT_OPTIMIZER, OPTIMIZERS
@@ -123,6 +124,9 @@ def check_kd_flags(args: argparse.Namespace) -> KDConfig:
     if args.kd_samples is not None and args.kd_cache_mode != "sampled":
         raise FlagError(f"--kd-samples {args.kd_samples} is for --kd-cache-mode sampled (this run stores the top-K: "
                         "--kd-topk sets K)")
+    if args.kd_cache_codec == SAMPLED_COUNTS_V1 and args.kd_cache_mode != "sampled":
+        raise FlagError(f"--kd-cache-codec {SAMPLED_COUNTS_V1} stores draw counts: it needs --kd-cache-mode sampled "
+                        "(top-K caches: auto, topk-v2 or topk-v3)")
     return KDConfig.from_args(args)
 
 
@@ -186,6 +190,11 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--kd-cache-mode", choices=CACHE_MODES, default="topk",
                        help="Teacher pass: store the top-K ('topk') or --kd-samples tokens drawn from the teacher "
                             "with their counts ('sampled', Random-Sampling KD: unbiased).")
+    group.add_argument("--kd-cache-codec", choices=("auto", *CODECS), default="auto",
+                       help="Teacher pass: how a new cache stores its rows. auto: topk-v2 for top-K (lossless, "
+                            "~270 bytes/token at K=100, V=201,088), sampled-counts-v1 for sampled (exact counts); "
+                            "topk-v3: top-K probabilities in one-byte levels (within 6.5%% of p, or of 1-p near 1; "
+                            "~190 bytes/token); topk-v1: the first format. A resumed build keeps its store's.")
     group.add_argument("--kd-samples", type=int, default=None,
                        help="Draws per token in sampled mode (>= 1; default: --kd-topk).")
     group.add_argument("--kd-capture-temperature", type=float, default=1.0,

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         writer = CacheWriter(
             args.kd_cache, vocab_size=tokenizer.vocab_size, topk=k, seq_length=args.seq_length,
             num_samples=consumed_train_samples(args), dp_rank=dp_rank, dp_size=dp_size,
-            micro_batch_size=args.micro_batch_size,
+            micro_batch_size=args.micro_batch_size, codec=None if args.kd_cache_codec == "auto" else args.kd_cache_codec,
             metadata={"temperature": args.kd_capture_temperature, "mode": mode,
                       "sampled_draws": k if mode == "sampled" else 0, "packing": packing.mode,
                       "teacher_fingerprint": teacher.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
