@@ -141,6 +141,40 @@ def _transformers_run(hf_dir, dtype, tokens, labels, names):
     return logits.detach().float(), {n: params[n].grad.float() for n in names}, model
 
 
+CLAMP_MARGIN = 1e-5
+
+
+def _tokens_away_from_the_clamp(hf_dir, tokens, g, tries: int = 20):
+    """``tokens``, or fresh ones from ``g``, whose expert pre-activations (every layer, every expert)
+    all lie more than CLAMP_MARGIN from the clamp's kinks (gate at +limit, linear at ±limit).
+
+    The clamp's derivative jumps there: an element that two fp32 implementations compute within
+    ~1e-6 of each other (ours adds the bias in the GEMM, transformers after it) can fall on either
+    side, and then its whole gradient column differs (3e-3 of the gradients, seed 760515957 of the
+    fp32 variant). fp32 equality is checked away from the kinks; the bf16 variants cross them."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    limit, inputs = model.config.swiglu_limit, []
+    hooks = [layer.mlp.experts.register_forward_pre_hook(lambda m, args: inputs.append((m, args[0])))
+             for layer in model.model.layers]
+    try:
+        for _ in range(tries):
+            inputs.clear()
+            with torch.no_grad():
+                model(input_ids=tokens)
+                pre = [(x.reshape(-1, x.shape[-1]) @ m.gate_up_proj + m.gate_up_proj_bias[:, None]) for m, x in inputs]
+            gap = min(min(float((h[..., ::2] - limit).abs().min()), float((h[..., 1::2].abs() - limit).abs().min()))
+                      for h in pre)
+            if gap > CLAMP_MARGIN:
+                return tokens
+            tokens = torch.randint(3, TOKENIZER_TOKENS, tokens.shape, generator=g)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    raise AssertionError(f"no tokens with every expert pre-activation {CLAMP_MARGIN} from the clamp in {tries} tries")
+
+
 def _our_run(v: Variant, args, tokens, labels):
     """(logits fp32, {HF name: gradient fp32}, {HF name: weight}) of the student ``model_provider`` builds."""
     from megatron.core.transformer.module import Float16Module
@@ -174,7 +208,10 @@ def _worker(rank, world, tmp, seed, variant):
     with patches:
         hf_dir = make_tiny_gpt_oss(Path(tmp) / "hf", seed=seed, shape=v.shape)
         g = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(3, TOKENIZER_TOKENS, (1, v.seq), generator=g).to(device)
+        tokens = torch.randint(3, TOKENIZER_TOKENS, (1, v.seq), generator=g)
+        if v.dtype == torch.float32:
+            tokens = _tokens_away_from_the_clamp(hf_dir, tokens, g)
+        tokens = tokens.to(device)
         labels = torch.randint(3, TOKENIZER_TOKENS, (1, v.seq), generator=g).to(device)
 
         args = parse_megatron_args(_flags(v, hf_dir))
