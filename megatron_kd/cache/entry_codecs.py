@@ -99,6 +99,13 @@ def _read_n(streams, tokens: int, k: int, what: str) -> np.ndarray:
     return n
 
 
+def _unpack_counted(buf, num_streams: int, tokens: int, k: int, what: str) -> tuple[np.ndarray, list]:
+    """A chunk whose streams begin with the entries per token: (n, the streams after it)."""
+    s = unpack_streams(buf, num_streams, limit=_limit(tokens, k))
+    w = width_for(k)
+    return _read_n(s[:w], tokens, k, what), s[w:]
+
+
 def _valid_slots(n: np.ndarray, k: int) -> np.ndarray | None:
     """bool [T, k]: slot j of token t holds an entry (j < n[t]); None when every token is full."""
     if n.size == 0 or int(n.min()) == k:
@@ -159,12 +166,10 @@ def encode_id_sets(ids: np.ndarray) -> bytes:
 def decode_id_sets(buf, tokens: int, k: int) -> np.ndarray:
     """int32 [tokens, k]."""
     what = "id sets"
-    s = unpack_streams(buf, id_set_streams(k), limit=_limit(tokens, k))
-    w = width_for(k)
-    n = _read_n(s[:w], tokens, k, what)
+    n, s = _unpack_counted(buf, id_set_streams(k), tokens, k, what)
     # gap + 1 per entry: the first entry of a token gives id + 1, the others id - previous id, so a
     # running sum along each token's row, less one, is the ids
-    steps = read_planes(s[w:], int(n.sum()), what=f"{what} gaps", dtype=np.int32)
+    steps = read_planes(s, int(n.sum()), what=f"{what} gaps", dtype=np.int32)
     steps += 1
     return _ids_from_steps(steps, n, tokens, k, what)
 
@@ -241,12 +246,10 @@ def encode_topk_codes(codes: np.ndarray) -> bytes:
 def decode_topk_codes(buf, tokens: int, k: int) -> np.ndarray:
     """uint16 [tokens, k]."""
     what = "top-K codes"
-    s = unpack_streams(buf, topk_code_streams(k), limit=_limit(tokens, k))
-    w = width_for(k)
-    n = _read_n(s[:w], tokens, k, what)
+    n, s = _unpack_counted(buf, topk_code_streams(k), tokens, k, what)
     has = n > 0
-    deepest = read_planes(s[w:w + 2], int(has.sum()), what=f"{what} deepest", dtype=np.uint16)
-    depths = read_planes(s[w + 2:], int(n.sum()), what=f"{what} depths", dtype=np.uint16)
+    deepest = read_planes(s[:2], int(has.sum()), what=f"{what} deepest", dtype=np.uint16)
+    depths = read_planes(s[2:], int(n.sum()), what=f"{what} depths", dtype=np.uint16)
     if deepest.size and deepest.max() > MAX_CODE:
         raise CacheError(f"{what}: a code outside 0..{MAX_CODE} (corrupted chunk)")
     valid = _valid_slots(n, k)
@@ -306,16 +309,14 @@ def encode_column_id_sets(ids: np.ndarray) -> bytes:
 def decode_column_id_sets(buf, tokens: int, k: int) -> np.ndarray:
     """int32 [tokens, k]."""
     what = "id sets"
-    s = unpack_streams(buf, column_id_set_streams(k), limit=_limit(tokens, k))
-    w = width_for(k)
-    n = _read_n(s[:w], tokens, k, what)
+    n, s = _unpack_counted(buf, column_id_set_streams(k), tokens, k, what)
     valid = _valid_slots(n, k)
     # the steps' bytes go straight to their place in a [tokens, k, 4] byte array: viewed as
     # little-endian int32 it is the steps, zeros on padding
     raw = np.zeros((tokens, k, 4), np.uint8)
     for g, (a, b) in enumerate(column_groups(k)):
         count = tokens * (b - a) if valid is None else int(np.count_nonzero(valid[:, a:b]))
-        for j, plane in enumerate(s[w + 4 * g:w + 4 * g + 4]):
+        for j, plane in enumerate(s[4 * g:4 * g + 4]):
             if len(plane) not in (0, count):
                 raise CacheError(f"{what}: byte plane {j} of slots {a}..{b - 1} holds {len(plane)} bytes, "
                                  f"expected {count} (or none)")
@@ -360,11 +361,9 @@ def encode_levels(levels: np.ndarray) -> bytes:
 def decode_levels(buf, tokens: int, k: int) -> np.ndarray:
     """uint8 [tokens, k]."""
     what = "levels"
-    s = unpack_streams(buf, level_streams(k), limit=_limit(tokens, k))
-    w = width_for(k)
-    n = _read_n(s[:w], tokens, k, what)
+    n, s = _unpack_counted(buf, level_streams(k), tokens, k, what)
     valid = _valid_slots(n, k)
-    context = s[w]
+    context = s[0]
     if len(context) != tokens or (tokens and int(context.max()) >= LEVEL_CONTEXTS):
         raise CacheError(f"{what}: {len(context)} token contexts, expected {tokens} below {LEVEL_CONTEXTS} "
                          f"(corrupted chunk)")
@@ -373,11 +372,11 @@ def decode_levels(buf, tokens: int, k: int) -> np.ndarray:
     token_ends = np.cumsum(np.bincount(context, minlength=LEVEL_CONTEXTS))
     entry_ends = np.cumsum(n[order])[token_ends - 1] if tokens else np.zeros(LEVEL_CONTEXTS, np.int64)
     entry_ends[token_ends == 0] = 0
-    held = np.cumsum([len(x) for x in s[w + 1:]])
+    held = np.cumsum([len(x) for x in s[1:]])
     if not np.array_equal(held, entry_ends):
         raise CacheError(f"{what}: the context streams hold {held.tolist()} levels in all, expected "
                          f"{entry_ends.tolist()} (corrupted chunk)")
-    levels = np.concatenate(s[w + 1:])
+    levels = np.concatenate(s[1:])
     if levels.size and int(levels.max()) > MAX_LEVEL:
         raise CacheError(f"{what}: level {int(levels.max())} above {MAX_LEVEL} (corrupted chunk)")
     out = np.empty((tokens, k), np.uint8)
