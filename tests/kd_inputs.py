@@ -81,6 +81,10 @@ def make_inputs(s=23, b=2, h=16, vocab=102, k=7, *, dtype=torch.float64, pad=Tru
         ids[3, 0, :] = -1  # a fully padded token
         lps[3, 0, :] = float("-inf")
     mask = (torch.rand(s, b) > 0.25).double()
+    # token (0, 0) always counts: it holds all K entries, so no draw of the mask leaves only the
+    # padded tokens and single-entry supports, whose renorm divergences are exactly 0 (a relative
+    # check of a loss of 1e-17 against fp32's 1e-7 then fails on rounding alone)
+    mask[0, 0] = 1.0
     labels = torch.randint(0, vocab, (s, b))
     return LossInputs(hidden.to(dtype), weight.to(dtype), ids, lps, mask, labels)
 
