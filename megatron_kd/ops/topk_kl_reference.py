@@ -65,7 +65,9 @@ def topk_kl_reference(
 
     logits = _full_vocab_logits(hidden, weight, opts).to(dtype).reshape(-1, vocab)
     ids = topk_ids.reshape(logits.shape[0], -1).long()
-    lp = topk_logprobs.reshape(logits.shape[0], -1).to(dtype)
+    # the teacher side is [n, K]: float64 always, so M and 1 - M (near 0 when the K entries hold
+    # nearly all the mass: the ghost tail's rest outcome) are exact whatever the student's dtype
+    lp = topk_logprobs.reshape(logits.shape[0], -1).double()
     mask = (
         loss_mask.reshape(-1).to(dtype) if loss_mask is not None else logits.new_ones(logits.shape[0])
     )
@@ -76,14 +78,16 @@ def topk_kl_reference(
     mass = torch.where(valid, lp.exp(), 0.0).sum(-1)
     if tau != 1.0:
         lp = lp / tau - torch.logsumexp(lp / tau, -1, keepdim=True) + mass.log().unsqueeze(-1)
-    p = torch.where(valid, lp.exp(), 0.0)
-    log_p = torch.where(valid, lp, 0.0)
+    rest_mass = (1.0 - mass).clamp_min(0.0).to(dtype)  # cached masses may round a hair above 1
+    p = torch.where(valid, lp.exp(), 0.0).to(dtype)
+    log_p = torch.where(valid, lp, 0.0).to(dtype)
+    mass = mass.to(dtype)
 
     log_q = torch.log_softmax(logits / tau, dim=-1)
     log_q_s = torch.where(valid, log_q.gather(1, torch.where(valid, ids, 0)), 0.0)
 
     if divergence != "forward":
-        kd = _support_divergence(p, log_p, log_q_s, valid, mass, tail, divergence, jsd_beta)
+        kd = _support_divergence(p, log_p, log_q_s, valid, mass, rest_mass, tail, divergence, jsd_beta)
     elif tail == "none":
         kd = (p * (log_p - log_q_s)).sum(-1)
     elif tail == "renorm":
@@ -92,9 +96,8 @@ def topk_kl_reference(
         kd = (p_hat * (log_p_hat - log_q_s)).sum(-1)
     else:  # ghost: KL over the K entries plus one "everything else" outcome
         q_s = torch.where(valid, log_q_s.exp(), 0.0).sum(-1)
-        tail_p = (1.0 - mass).clamp_min(0.0)
         tail_q = (1.0 - q_s).clamp_min(torch.finfo(dtype).tiny)
-        kd = (p * (log_p - log_q_s)).sum(-1) + torch.xlogy(tail_p, tail_p) - tail_p * tail_q.log()
+        kd = (p * (log_p - log_q_s)).sum(-1) + torch.xlogy(rest_mass, rest_mass) - rest_mass * tail_q.log()
 
     total = kd_weight * tau * tau * (mask * kd).sum()
     stats = [(mask * kd).sum(), logits.new_zeros(()), (mask * mass).sum()]
@@ -110,7 +113,7 @@ def topk_kl_reference(
     return total, unpack_stats(torch.stack([*stats, tokens]), has_labels=labels is not None)
 
 
-def _support_divergence(p, log_p, log_q_s, valid, mass, tail, divergence, beta):
+def _support_divergence(p, log_p, log_q_s, valid, mass, rest_mass, tail, divergence, beta):
     """Per-token KL(Q‖P) or JSD_β(P, Q) over the outcomes of ``tail``: [n, K(+1)] distributions
     built from their definitions (docs/DESIGN.md §1), then the divergence summed over outcomes."""
     tiny = torch.finfo(p.dtype).tiny
@@ -121,7 +124,7 @@ def _support_divergence(p, log_p, log_q_s, valid, mass, tail, divergence, beta):
         log_big_p = torch.where(valid, log_p - mass.clamp_min(tiny).log().unsqueeze(-1), 0.0)
         keep = valid
     else:  # ghost: outcomes S and "the rest", P = (p_S, 1 - M), Q = (q_S, 1 - Q_S)
-        rest_p = (1.0 - mass).clamp_min(0.0)
+        rest_p = rest_mass
         rest_q = (1.0 - q_s.sum(-1)).clamp_min(tiny)
         big_p = torch.cat([p, rest_p.unsqueeze(-1)], -1)
         big_q = torch.cat([q_s, rest_q.unsqueeze(-1)], -1)
