@@ -7,6 +7,11 @@ spec with SDPA attention) runs forward on one sequence; we time (a) the forward 
 hidden states, (b) ``vocab_parallel_topk`` of those states (projection + top-K + logsumexp,
 chunked), (c) the bare bf16 projection hidden·Wᵀ that any teacher forward pays for its logits.
 Overhead of extraction = (b - c) / (a + c): what the cache adds over a forward that yields logits.
+
+``--pass-samples N`` also times the whole teacher pass over N samples of random tokens written
+to a temporary cache (``--codec``): ``capture_teacher`` (stores behind the forward, on a worker
+thread) and the same steps with each micro-batch written inline (``CacheWriter.write``), each
+against N x (a + c).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ def main():
     p.add_argument("--topk", type=int, default=100)
     p.add_argument("--chunk-sizes", default="0,512,1024,2048", help="0 = automatic")
     p.add_argument("--breakdown", action="store_true", help="also time the steps of one 2048-token chunk")
+    p.add_argument("--pass-samples", type=int, default=0, help="also time a whole teacher pass over N samples")
+    p.add_argument("--codec", default="topk-v2", help="the cache codec of --pass-samples")
     args = p.parse_args()
 
     from megatron_kd.distributed import init_process_group
@@ -89,6 +96,59 @@ def main():
             }
             for name, fn in steps.items():
                 print(f"  chunk step {name:24} {median_ms(fn):7.2f} ms")
+
+
+        if args.pass_samples:
+            time_teacher_pass(model, args, vocab, logits_forward_ms=t_fwd + t_proj)
+
+
+def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
+    """The teacher pass end to end (forward, top-K, encode, store) against N logits forwards."""
+    import tempfile
+    import time
+
+    from megatron_kd.cache import CacheWriter
+    from megatron_kd.ops.topk import vocab_parallel_topk
+    from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
+
+    n, s = args.pass_samples, args.seq_length
+    gen = torch.Generator().manual_seed(0)
+    dataset = [{"tokens": torch.randint(0, vocab, (s,), generator=gen), "position_ids": torch.arange(s)}
+               for _ in range(n)]
+    teacher = MegatronTeacher(model, vocab_size=vocab)
+    device = next(model.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def writer(path):
+        return CacheWriter(path, vocab_size=vocab, topk=args.topk, seq_length=s, num_samples=n, codec=args.codec)
+
+    def inline(w):  # the pass with each micro-batch stored before the next forward
+        for i in w.pending_samples():
+            x = dataset[int(i)]
+            hidden, weight = teacher(x["tokens"][None].to(device), x["position_ids"][None].to(device))
+            ids, lps = vocab_parallel_topk(hidden, weight, args.topk, vocab_size=vocab)
+            w.write(int(i), ids[:, 0], lps[:, 0])
+
+    def behind(w):
+        capture_teacher(teacher, dataset, w, CaptureConfig(topk=args.topk), progress=False)
+
+    with tempfile.TemporaryDirectory() as tmp:  # warm-up
+        warm = writer(f"{tmp}/cache")
+        inline(warm)
+        warm.close()
+    floor = n * logits_forward_ms / 1e3
+    print(f"teacher pass over {n} x {s} tokens, codec {args.codec}; {n} logits forwards {floor:.2f} s")
+    for name, run in (("stores inline", inline), ("stores behind (capture_teacher)", behind)):
+        with tempfile.TemporaryDirectory() as tmp:
+            w = writer(f"{tmp}/cache")
+            sync()
+            start = time.perf_counter()
+            run(w)
+            w.close()
+            sync()
+            took = time.perf_counter() - start
+        print(f"  {name:32} {took:7.2f} s  {n * s / took:10,.0f} tokens/s  overhead over a logits forward "
+              f"{100 * (took / floor - 1):5.1f}%")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,15 @@ def _lock_partition(path: Path, rank: int):
     return handle
 
 
+@dataclasses.dataclass(frozen=True)
+class EncodedSamples:
+    """Samples checked and encoded by ``CacheWriter.encode``, on the host, ready for ``store``."""
+
+    rows: np.ndarray  # [n] int64: the samples' rows in this partition
+    ids: np.ndarray  # [n, seq_length, K]: the ids array's values
+    values: np.ndarray  # [n, seq_length, K]: the logprobs array's values
+
+
 class CacheWriter:
     """Writes the samples of data-parallel rank ``dp_rank`` (see layout.py for which those are).
 
@@ -285,10 +294,12 @@ class CacheWriter:
     def write(self, sample_idx, topk_ids, topk_logprobs) -> int:
         """Store samples: ``sample_idx`` an int with [seq_length, K] tensors, or n indices with
         [n, seq_length, K]. Samples already on disk are skipped. Returns how many were new."""
-        with _os_errors(self.path / partition_name(self.rank)):
-            return self._write(sample_idx, topk_ids, topk_logprobs)
+        return self.store(self.encode(sample_idx, topk_ids, topk_logprobs))
 
-    def _write(self, sample_idx, topk_ids, topk_logprobs) -> int:
+    def encode(self, sample_idx, topk_ids, topk_logprobs) -> EncodedSamples:
+        """The first half of ``write``: check the samples (shape, partition, entries) and encode
+        them on the tensors' device, then copy to host. Touches no state: ``store`` may run on
+        another thread (write_behind.py) while the next micro-batch is encoded."""
         if self._lock is None:
             raise CacheError(f"{self.path / partition_name(self.rank)}: this writer is closed; open a new one "
                              f"to resume")
@@ -300,14 +311,25 @@ class CacheWriter:
             raise CacheError(f"sample {indices[0]}: topk_ids {tuple(topk_ids.shape)} / topk_logprobs "
                              f"{tuple(topk_logprobs.shape)} must be {expect} (seq_length={self.meta.seq_length}, "
                              f"K={self.meta.topk})")
-        deltas, codes = encode_rows(self.meta.codec, topk_ids, topk_logprobs, vocab_size=self.meta.vocab_size,
-                                    draws=self.meta.sampled_draws,
-                                    where=f"sample {indices[0]}{'..' if len(indices) > 1 else ''}: ")
-        deltas = deltas.reshape(len(indices), self.meta.seq_length, self.meta.topk)
-        codes = codes.reshape(deltas.shape)
+        rows = np.array([self._row(int(sample)) for sample in indices], np.int64)
+        ids, values = encode_rows(self.meta.codec, topk_ids, topk_logprobs, vocab_size=self.meta.vocab_size,
+                                  draws=self.meta.sampled_draws,
+                                  where=f"sample {indices[0]}{'..' if len(indices) > 1 else ''}: ")
+        shape = (len(indices), self.meta.seq_length, self.meta.topk)
+        return EncodedSamples(rows, ids.reshape(shape), values.reshape(shape))
+
+    def store(self, encoded: EncodedSamples) -> int:
+        """The second half of ``write``: buffer encoded samples and write each shard they fill.
+        Returns how many samples were new."""
+        with _os_errors(self.path / partition_name(self.rank)):
+            return self._store(encoded)
+
+    def _store(self, encoded: EncodedSamples) -> int:
+        if self._lock is None:
+            raise CacheError(f"{self.path / partition_name(self.rank)}: this writer is closed; open a new one "
+                             f"to resume")
         new = 0
-        for i, sample in enumerate(indices):
-            row = self._row(int(sample))
+        for i, row in enumerate(encoded.rows.tolist()):
             if self.done[row]:
                 continue
             shard = row // self.shard_rows
@@ -315,7 +337,7 @@ class CacheWriter:
             if buf is None:
                 buf = self._buffers[shard] = self._new_buffer(shard)
             local = row - shard * self.shard_rows
-            buf["ids"][local], buf["logprobs"][local] = deltas[i], codes[i]
+            buf["ids"][local], buf["logprobs"][local] = encoded.ids[i], encoded.values[i]
             if not buf["filled"][local]:
                 buf["filled"][local] = True
                 new += 1

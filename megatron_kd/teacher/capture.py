@@ -5,11 +5,13 @@ in the order its training sampler will consume them), micro-batch by micro-batch
 ranks of one model replica run in lockstep and TP rank 0 writes. A killed pass resumes where it
 stopped: the writer skips what is on disk, and sampled mode keys each token's draws by (seed,
 global sample index, position) alone (``ops.topk.sample_row_keys``), so re-running, from any
-point and with any micro-batch or chunk size, yields the same bytes.
+point and with any micro-batch or chunk size, yields the same bytes. Each micro-batch is stored
+behind the next one's forward (``WriteBehind``): the pass's time is the teacher's, not the disk's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from megatron_kd.cache.write_behind import WriteBehind
 from megatron_kd.ops.comm import group_rank, group_size
 from megatron_kd.ops.topk import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
 
@@ -70,30 +73,34 @@ def capture_teacher(teacher, dataset, writer, cfg: CaptureConfig, *, device=None
     bar = tqdm(total=len(pending), unit="sample", desc="teacher pass",
                disable=not (progress and is_writer and (not dist.is_initialized() or dist.get_rank() == 0)))
     tokens_done, mass_sum, start = 0, 0.0, time.perf_counter()
-    for i in range(0, len(pending), mbs):
-        samples = pending[i:i + mbs]
-        items = [dataset[int(s)] for s in samples]
-        tokens = torch.stack([torch.as_tensor(x["tokens"]) for x in items]).to(device)
-        position_ids = torch.stack([torch.as_tensor(x["position_ids"]) for x in items]).to(device)
-        hidden, weight = teacher(tokens, position_ids)  # [s, b, h]
-        kw = dict(tp_group=tp_group, vocab_size=teacher.vocab_size, temperature=cfg.temperature,
-                  chunk_size=cfg.chunk_size)
-        if cfg.mode == "topk":
-            ids, lps = vocab_parallel_topk(hidden, weight, cfg.topk, **kw)
-        else:
-            keys = sample_row_keys(cfg.seed, torch.as_tensor(samples, dtype=torch.int64, device=device),
-                                   hidden.shape[0])
-            ids, lps = vocab_parallel_sample(hidden, weight, cfg.topk, row_keys=keys, **kw)
-        # [b, s, K], left on the device: the writer encodes (sorts, validates) them there
-        ids, lps = ids.transpose(0, 1), lps.transpose(0, 1)
-        if is_writer:
-            writer.write(samples, ids, lps)
-        tokens_done += ids.shape[0] * ids.shape[1]
-        mass_sum += float(lps.double().exp().sum())
-        elapsed = time.perf_counter() - start
-        bar.update(len(samples))
-        bar.set_postfix(tok_s=f"{tokens_done / max(elapsed, 1e-9):,.0f}")
+    # stores go behind the forward (write_behind.py): the GPU runs micro-batch i + 1 while the
+    # host compresses and writes micro-batch i
+    with WriteBehind(writer) if is_writer else contextlib.nullcontext() as behind:
+        for i in range(0, len(pending), mbs):
+            samples = pending[i:i + mbs]
+            items = [dataset[int(s)] for s in samples]
+            tokens = torch.stack([torch.as_tensor(x["tokens"]) for x in items]).to(device)
+            position_ids = torch.stack([torch.as_tensor(x["position_ids"]) for x in items]).to(device)
+            hidden, weight = teacher(tokens, position_ids)  # [s, b, h]
+            kw = dict(tp_group=tp_group, vocab_size=teacher.vocab_size, temperature=cfg.temperature,
+                      chunk_size=cfg.chunk_size)
+            if cfg.mode == "topk":
+                ids, lps = vocab_parallel_topk(hidden, weight, cfg.topk, **kw)
+            else:
+                keys = sample_row_keys(cfg.seed, torch.as_tensor(samples, dtype=torch.int64, device=device),
+                                       hidden.shape[0])
+                ids, lps = vocab_parallel_sample(hidden, weight, cfg.topk, row_keys=keys, **kw)
+            # [b, s, K], left on the device: the writer encodes (sorts, validates) them there
+            ids, lps = ids.transpose(0, 1), lps.transpose(0, 1)
+            if is_writer:
+                behind.submit(samples, ids, lps)
+            tokens_done += ids.shape[0] * ids.shape[1]
+            mass_sum = mass_sum + lps.double().exp().sum()  # on the device: no sync per micro-batch
+            elapsed = time.perf_counter() - start
+            bar.update(len(samples))
+            bar.set_postfix(tok_s=f"{tokens_done / max(elapsed, 1e-9):,.0f}")
     bar.close()
     elapsed = time.perf_counter() - start
     return {"samples": len(pending), "tokens": tokens_done, "seconds": elapsed,
-            "tokens_per_s": tokens_done / max(elapsed, 1e-9), "mean_teacher_mass": mass_sum / max(tokens_done, 1)}
+            "tokens_per_s": tokens_done / max(elapsed, 1e-9),
+            "mean_teacher_mass": float(mass_sum) / max(tokens_done, 1)}
