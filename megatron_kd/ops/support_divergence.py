@@ -53,9 +53,10 @@ def _tiny(t: torch.Tensor) -> float:
 def support_terms(z_s: torch.Tensor, teacher: ChunkTeacher, rs: RowStats, temperature: float, tail: str,
                   divergence: str, beta: float) -> SupportTerms:
     owned = teacher.owned != 0
-    log_q = (z_s - rs.row_max.unsqueeze(1)) / temperature - rs.sumexp_t.log().unsqueeze(1)  # log q_v
-    if tail == "renorm":  # log(q_v/Q_S); Q_S below the dtype's tiny (S 87 nats under the max in fp32) is tiny
-        log_q = log_q - rs.student_mass.clamp_min(_tiny(rs.student_mass)).log().unsqueeze(1)
+    if tail == "renorm":  # log(q_v/Q_S) in S's own frame: exact even where Q_S underflows
+        log_q = (z_s - rs.support_max.unsqueeze(1)) / temperature - rs.support_log_sumexp.unsqueeze(1)
+    else:  # log q_v
+        log_q = (z_s - rs.row_max.unsqueeze(1)) / temperature - rs.sumexp_t.log().unsqueeze(1)
     log_q = torch.where(owned, log_q, 0.0)
     big_q = torch.where(owned, log_q.exp(), 0.0)
     log_p = teacher.log_target

@@ -118,9 +118,11 @@ def _support_divergence(p, log_p, log_q_s, valid, mass, rest_mass, tail, diverge
     built from their definitions (docs/DESIGN.md §1), then the divergence summed over outcomes."""
     tiny = torch.finfo(p.dtype).tiny
     q_s = torch.where(valid, log_q_s.exp(), 0.0)  # q_v, v in S
-    if tail == "renorm":  # outcomes S: P = p/M, Q = q_S/Q_S
+    if tail == "renorm":  # outcomes S: P = p/M, Q = q_S/Q_S (a softmax over S: exact where Q_S underflows)
         big_p = p / mass.clamp_min(tiny).unsqueeze(-1)
-        big_q = q_s / q_s.sum(-1, keepdim=True).clamp_min(tiny)
+        log_q_on_s = torch.where(valid, log_q_s, float("-inf"))
+        log_q_on_s = torch.where(valid.any(-1, keepdim=True), log_q_on_s, 0.0)  # S empty: no -inf - -inf
+        big_q = torch.where(valid, torch.softmax(log_q_on_s, -1), 0.0)
         log_big_p = torch.where(valid, log_p - mass.clamp_min(tiny).log().unsqueeze(-1), 0.0)
         keep = valid
     else:  # ghost: outcomes S and "the rest", P = (p_S, 1 - M), Q = (q_S, 1 - Q_S)

@@ -33,9 +33,12 @@ import torch
 # terms: 1 - Q_S formed as Σ_V - Σ_S would be off by eps·Q_S/(1 - Q_S) where the student puts nearly
 # all its mass on S. (With an id listed twice, each listing is an outcome: the repeats are
 # subtracted, as 1 - Σ_S q_v does.)
+# ROW_SUPPORT_MAX / ROW_SUPPORT_SUMEXP are the teacher entries' own max logit and Σ_S exp((z - m_S)/τ)
+# (-inf / 0 on a rank that owns none): the renorm tail's Q_v = q_v / Q_S of reverse / jsd in S's own
+# frame, exact however far S lies below the row max (there Q_S itself underflows: 87 nats in fp32).
 (ROW_MAX, ROW_SUMEXP_T, ROW_SUMEXP_1, ROW_TARGET_DOT, ROW_TEACHER_SUMEXP, ROW_LABEL_LOGIT,
- ROW_REST_SUMEXP) = range(7)
-NUM_ROW_STATS = 7
+ ROW_REST_SUMEXP, ROW_SUPPORT_MAX, ROW_SUPPORT_SUMEXP) = range(9)
+NUM_ROW_STATS = 9
 
 
 @dataclass
@@ -175,6 +178,11 @@ def local_row_stats_(
         stats[:, ROW_SUMEXP_1] = e.pow(temperature).sum(-1) if temperature != 1.0 else stats[:, ROW_SUMEXP_T]
     stats[:, ROW_TARGET_DOT] = (teacher.target_owned * z_s).sum(-1)
     stats[:, ROW_TEACHER_SUMEXP] = e_s.sum(-1)
+    owned = teacher.owned != 0
+    support_max = torch.where(owned, z_s, float("-inf")).amax(-1)
+    stats[:, ROW_SUPPORT_MAX] = support_max
+    shifted = (z_s - torch.where(owned.any(-1), support_max, 0.0).unsqueeze(1)) / temperature
+    stats[:, ROW_SUPPORT_SUMEXP] = torch.where(owned, shifted.exp(), 0.0).sum(-1)
     return stats, z_s
 
 
@@ -201,6 +209,8 @@ class RowStats:
     target_dot: torch.Tensor  # [c] Σ_S B_v z_v
     student_mass: torch.Tensor  # [c] Q = Σ_S q_v
     student_rest: torch.Tensor  # [c] 1 - Q from its own terms (ROW_REST_SUMEXP; ghost tail only, else 0)
+    support_max: torch.Tensor  # [c] m_S = max_S z_v over every rank's entries (row_max where S is empty)
+    support_log_sumexp: torch.Tensor  # [c] log Σ_S exp((z_v - m_S)/τ) (log tiny where S is empty)
     label_logit: torch.Tensor | None  # [c] z_label
     scale_t: torch.Tensor  # [c] e·scale_t = q (softmax(z/τ)) for this rank's block
     scale_1: torch.Tensor | None  # [c] e^τ·scale_1 = softmax(z)
@@ -221,6 +231,7 @@ def combine_row_stats(all_stats: torch.Tensor, rank: int, temperature: float, ha
         target_dot=all_stats[..., ROW_TARGET_DOT].sum(0),
         student_mass=(all_stats[..., ROW_TEACHER_SUMEXP] * w_t).sum(0) / sumexp_t,
         student_rest=(all_stats[..., ROW_REST_SUMEXP] * w_t).sum(0) / sumexp_t,
+        **_combine_support(all_stats, row_max, temperature),
         label_logit=None,
         scale_t=w_t[rank] / sumexp_t,
         scale_1=None,
@@ -232,6 +243,16 @@ def combine_row_stats(all_stats: torch.Tensor, rank: int, temperature: float, ha
         out.label_logit = all_stats[..., ROW_LABEL_LOGIT].sum(0)
         out.scale_1 = w_1[rank] / sumexp_1
     return out
+
+
+def _combine_support(all_stats: torch.Tensor, row_max: torch.Tensor, temperature: float) -> dict:
+    """m_S and log Σ_S exp((z - m_S)/τ) over every rank's entries (RowStats.support_*)."""
+    rank_max = all_stats[..., ROW_SUPPORT_MAX]
+    support_max = rank_max.amax(0)
+    support_max = torch.where(torch.isfinite(support_max), support_max, row_max)
+    w = torch.where(torch.isfinite(rank_max), ((rank_max - support_max) / temperature).exp(), 0.0)
+    sumexp = (all_stats[..., ROW_SUPPORT_SUMEXP] * w).sum(0)
+    return dict(support_max=support_max, support_log_sumexp=sumexp.clamp_min(torch.finfo(sumexp.dtype).tiny).log())
 
 
 def _ghost_one_minus_q(rs: RowStats) -> torch.Tensor:

@@ -57,6 +57,8 @@ from megatron_kd.ops.topk_kl_torch import (
     ROW_LABEL_LOGIT,
     ROW_MAX,
     ROW_REST_SUMEXP,
+    ROW_SUPPORT_MAX,
+    ROW_SUPPORT_SUMEXP,
     ROW_SUMEXP_1,
     ROW_SUMEXP_T,
     ROW_TARGET_DOT,
@@ -96,6 +98,7 @@ def exp_stats_kernel(
     NUM_TILES: tl.constexpr, NUM_STATS: tl.constexpr,
     I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
     I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr, I_REST: tl.constexpr,
+    I_SMAX: tl.constexpr, I_SSUM: tl.constexpr,
     HAS_LABELS: tl.constexpr, SEPARATE_SUM_1: tl.constexpr, WRITE: tl.constexpr, WRITE_ZEROS: tl.constexpr,
     REST_SUM: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -115,7 +118,8 @@ def exp_stats_kernel(
     is_owned = kmask & (owned != 0)
     z_s = tl.load(z_row + idx, mask=is_owned, other=0.0).to(tl.float32)
     tl.store(zs_ptr + row * K + k, z_s, mask=kmask)
-    ref = tl.max(tl.where(is_owned, z_s, float("-inf")), axis=0)
+    support_max = tl.max(tl.where(is_owned, z_s, float("-inf")), axis=0)
+    ref = support_max
     if HAS_LABELS:
         label_idx = tl.load(label_idx_ptr + row)
         label_owned = tl.load(label_owned_ptr + row)
@@ -172,6 +176,11 @@ def exp_stats_kernel(
     tl.store(out + I_SUM_T, sum_t)
     tl.store(out + I_TDOT, t_dot)
     tl.store(out + I_TSUM, t_sum)
+    # S in its own frame (topk_kl_torch.ROW_SUPPORT_MAX): -inf and 0 where this rank owns no entry
+    support_base = tl.where(support_max > float("-inf"), support_max, 0.0)
+    tl.store(out + I_SMAX, support_max)
+    support_e = tl.exp2((tl.where(is_owned, z_s, support_base) - support_base) * scale_t)
+    tl.store(out + I_SSUM, tl.sum(tl.where(is_owned, support_e, 0.0), axis=0))
     if HAS_LABELS:
         if not SEPARATE_SUM_1:
             sum_1 = sum_t
@@ -277,6 +286,7 @@ def row_terms_kernel(
     TP: tl.constexpr, NUM_STATS: tl.constexpr,
     I_MAX: tl.constexpr, I_SUM_T: tl.constexpr, I_SUM_1: tl.constexpr,
     I_TDOT: tl.constexpr, I_TSUM: tl.constexpr, I_LABEL: tl.constexpr, I_REST: tl.constexpr,
+    I_SMAX: tl.constexpr, I_SSUM: tl.constexpr,
     GHOST: tl.constexpr, HAS_LABELS: tl.constexpr, NEED_GRAD: tl.constexpr,
     CE_GRAD: tl.constexpr, SEPARATE_BETA: tl.constexpr,
     DIVERGENCE: tl.constexpr, SUMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KT: tl.constexpr,
@@ -343,12 +353,29 @@ def row_terms_kernel(
             tl.store(alpha_ptr + r, alpha, mask=rmask)
             tl.store(sparse_scale_ptr + r, -kd_scale, mask=rmask)
     else:
-        # log Q_v = (z_v - r_local)/τ - shift: the global logsumexp (and for renorm log Q_S) less this
-        # rank's reference, the form grad_fixup_kernel evaluates too
-        ref_local = tl.load(stats_ptr + (rank * rows + r) * NUM_STATS + I_MAX, mask=rmask, other=0.0)
-        shift = (row_max - ref_local) * inv_tau + tl.log(sum_t)
-        if not GHOST:  # renorm; Q_S below fp32's tiny (S 87 nats under the row max) is taken as tiny
-            shift += tl.log(tl.maximum(student_mass, FP32_TINY))
+        # log Q_v = (z_v - r_local)/τ - shift, the form grad_fixup_kernel evaluates too. ghost: r_local
+        # is this rank's row max, shift the global logsumexp less it. renorm: Q = q_S / Q_S in S's own
+        # frame (exact, and precise, however far S lies below the row max, where Q_S underflows):
+        # r_local is this rank's largest entry, shift logsumexp_S(z/τ) less it
+        if GHOST:
+            ref_local = tl.load(stats_ptr + (rank * rows + r) * NUM_STATS + I_MAX, mask=rmask, other=0.0)
+            shift = (row_max - ref_local) * inv_tau + tl.log(sum_t)
+        else:
+            ref_local = tl.load(stats_ptr + (rank * rows + r) * NUM_STATS + I_SMAX, mask=rmask, other=0.0)
+            ref_local = tl.where(ref_local > float("-inf"), ref_local, 0.0)
+            support_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            for t in tl.static_range(TP):
+                rank_support_max = tl.load(stats_ptr + (t * rows + r) * NUM_STATS + I_SMAX, mask=rmask, other=0.0)
+                support_max = tl.maximum(support_max, rank_support_max)
+            support_max = tl.where(support_max > float("-inf"), support_max, row_max)
+            support_sum = tl.zeros([BLOCK_R], tl.float32)
+            for t in tl.static_range(TP):
+                base = stats_ptr + (t * rows + r) * NUM_STATS
+                rank_support_max = tl.load(base + I_SMAX, mask=rmask, other=0.0)
+                w_s = tl.where(rank_support_max > float("-inf"),
+                               tl.exp((rank_support_max - support_max) * inv_tau), 0.0)
+                support_sum += tl.load(base + I_SSUM, mask=rmask, other=0.0) * w_s
+            shift = (support_max - ref_local) * inv_tau + tl.log(tl.maximum(support_sum, FP32_TINY))
         if SUMS == SUMS_LOADED:
             f_sum = tl.load(sums_ptr + r * 2, mask=rmask, other=0.0)
             h_sum = tl.load(sums_ptr + r * 2 + 1, mask=rmask, other=0.0)
@@ -405,11 +432,13 @@ def grad_fixup_kernel(
     K, scale_t, tau, inv_tau, jsd_beta, log_beta, log1m_beta,
     V: tl.constexpr, NUM_TILES: tl.constexpr, NUM_STATS: tl.constexpr, I_MAX: tl.constexpr, I_LABEL: tl.constexpr,
     HAS_BETA: tl.constexpr, GHOST: tl.constexpr, HAS_LABELS: tl.constexpr,
-    DIVERGENCE: tl.constexpr, SPARSE_ONLY: tl.constexpr,
+    DIVERGENCE: tl.constexpr, SPARSE_ONLY: tl.constexpr, SUPPORT_FRAME: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """SPARSE_ONLY: the gradient has no dense part (renorm reverse / jsd without a CE gradient), the
-    block holds zeros (exp_stats_kernel's WRITE_ZEROS) and only the sparse entries are written, σ = 1."""
+    block holds zeros (exp_stats_kernel's WRITE_ZEROS) and only the sparse entries are written, σ = 1.
+    SUPPORT_FRAME (renorm reverse / jsd): log Q_v is taken from this rank's largest entry, not its row
+    max (row_terms_kernel's shift is relative to it)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     ref = tl.load(stats_ptr + row * NUM_STATS + I_MAX)
@@ -431,7 +460,11 @@ def grad_fixup_kernel(
             sparse += tl.where(owned, tl.load(ghost_ptr + row) * q_local, 0.0)
     else:  # kd_scale·Q_v·(g_v - center), log Q_v in the form row_terms_kernel summed it
         log_p = tl.load(log_target_ptr + row * K + k, mask=kmask & owned, other=0.0)
-        log_q = tl.where(owned, (z_s - ref) * inv_tau - tl.load(shift_ptr + row), 0.0)
+        base = ref
+        if SUPPORT_FRAME:
+            base = tl.max(tl.where(owned, z_s, float("-inf")), axis=0)
+            base = tl.where(base > float("-inf"), base, 0.0)
+        log_q = tl.where(owned, (z_s - base) * inv_tau - tl.load(shift_ptr + row), 0.0)
         _f, g, q = _entry_terms(log_q, log_p, jsd_beta, log_beta, log1m_beta, DIVERGENCE)
         sparse = tl.where(owned, tl.load(sparse_scale_ptr + row) * q * (tl.load(center_ptr + row) - g), 0.0)
     # Total sparse term at each entry's column, summed over duplicates of that column. (A genuine
@@ -539,6 +572,7 @@ def exp_row_stats_(
         V=vocab_local, NUM_TILES=tiles,
         NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
         I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT, I_REST=ROW_REST_SUMEXP,
+        I_SMAX=ROW_SUPPORT_MAX, I_SSUM=ROW_SUPPORT_SUMEXP,
         HAS_LABELS=has_labels, SEPARATE_SUM_1=separate_sum_1, WRITE=write, WRITE_ZEROS=write and zeros,
         REST_SUM=teacher.rest_mass is not None,
         BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
@@ -605,6 +639,7 @@ def _launch_row_terms(all_stats, rank, teacher, rho, label_owned, kd_out, ce_out
         kd_weight * temperature, ce_weight, 1.0 / temperature, beta, log_beta, log1m_beta,
         TP=tp, NUM_STATS=NUM_ROW_STATS, I_MAX=ROW_MAX, I_SUM_T=ROW_SUMEXP_T, I_SUM_1=ROW_SUMEXP_1,
         I_TDOT=ROW_TARGET_DOT, I_TSUM=ROW_TEACHER_SUMEXP, I_LABEL=ROW_LABEL_LOGIT, I_REST=ROW_REST_SUMEXP,
+        I_SMAX=ROW_SUPPORT_MAX, I_SSUM=ROW_SUPPORT_SUMEXP,
         GHOST=tail == "ghost", HAS_LABELS=has_labels, NEED_GRAD=need_grad, CE_GRAD=ce_grad,
         SEPARATE_BETA=ce_grad and temperature != 1.0,
         DIVERGENCE=0 if support is None else support.code, SUMS=sums_mode.value,
@@ -719,6 +754,7 @@ def grad_fixup_(
         I_LABEL=ROW_LABEL_LOGIT,
         HAS_BETA=terms.beta is not None, GHOST=terms.ghost is not None, HAS_LABELS=has_labels,
         DIVERGENCE=0 if support is None else support.code, SPARSE_ONLY=terms.sparse_only,
+        SUPPORT_FRAME=support is not None and support.tail == "renorm",
         BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(max(k, 1)), num_warps=warps,
     )
     return block, sigma

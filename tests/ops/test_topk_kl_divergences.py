@@ -170,6 +170,36 @@ def test_triton_rows_far_above_their_teacher_entries(seed, divergence, tail, ce_
 
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("divergence", SUPPORT_DIVERGENCES)
+def test_renorm_support_far_below_the_row_max(seed, impl, divergence):
+    """The renorm tail's Q = q_S / Q_S depends only on the logits within S: with every teacher entry
+    over 100 nats below the row's max, Q_S underflows fp32 (87 nats) but Q, the loss and its gradient
+    do not (S's own max and sum, combined over ranks like the row's). One row of them holds a single
+    entry (P = Q = 1: loss 0), the other several."""
+    _skip_unless_cpu_triton(impl)
+    x = make_inputs(s=4, b=1, h=16, vocab=300, k=6)
+    hot = 250
+    for row, entries in ((0, 6), (2, 1)):
+        w = x.weight[hot]
+        x.hidden[row, 0] = w * (150.0 / w.dot(w))
+        z = x.weight @ x.hidden[row, 0]
+        lowest = z.argsort()[:entries]  # the K lowest logits: all far below z[hot] = 150
+        assert float(z[hot] - z[lowest].max()) > 100.0
+        x.topk_ids[row, 0] = -1
+        x.topk_ids[row, 0, :entries] = lowest
+        x.topk_logprobs[row, 0] = float("-inf")
+        x.topk_logprobs[row, 0, :entries] = torch.log_softmax(torch.randn(entries), 0) + math.log(0.9)
+    kw = dict(tail="renorm", divergence=divergence, reduction="sum", loss_mask=None)
+    ref = loss_and_grads(topk_kl_reference, x, **kw)
+    fused = loss_and_grads(fused_topk_kl, x, hidden=x.hidden.float(), weight=x.weight.float(), chunk_size=3,
+                           impl=impl, **kw)
+    _check(fused, ref, 1e-4)
+    assert rel_err(fused[2][0, 0], ref[2][0, 0]) <= 1e-4 and ref[2][0, 0].norm() > 1e-3  # a real gradient
+    alone = loss_and_grads(fused_topk_kl, x, hidden=x.hidden.float(), weight=x.weight.float(), impl=impl,
+                           **{**kw, "loss_mask": (torch.arange(4) == 2).view(4, 1).double()})
+    assert abs(alone[0].item()) < 1e-6  # the single entry: P = Q = 1
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("divergence, tail", itertools.product(SUPPORT_DIVERGENCES, SUPPORT_TAILS))
 def test_padded_token_and_full_teacher_mass(seed, impl, divergence, tail):
     """A fully padded token (S empty) contributes 0 loss and 0 gradient; a teacher whose entries

@@ -41,7 +41,7 @@ def main():
     )
     rows = {"idx_ptr": "*i64", "owned_ptr": "*fp32", "label_idx_ptr": "*i64", "label_owned_ptr": "*fp32",
             "stats_ptr": "*fp32", "zs_ptr": "*fp32", "K": "i32", "scale_t": "fp32"}
-    stats = {"NUM_STATS": 7, "I_MAX": 0, "I_LABEL": 5, "V": GPT_OSS_VOCAB, "NUM_TILES": 50, "BLOCK_V": 4096,
+    stats = {"NUM_STATS": 9, "I_MAX": 0, "I_LABEL": 5, "V": GPT_OSS_VOCAB, "NUM_TILES": 50, "BLOCK_V": 4096,
              "BLOCK_K": 128}
     # E written back with the ghost tail's rest sum, or zeros (renorm reverse / jsd without CE)
     for zeros in (False, True):
@@ -49,7 +49,8 @@ def main():
             exp_stats_kernel,
             {"z_ptr": "*bf16", "z_stride": "i64", "target_ptr": "*fp32", "repeat_ptr": "*fp32", "ref_ptr": "*fp32",
              "steep": "fp32", **rows},
-            {**stats, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "I_REST": 6, "HAS_LABELS": True,
+            {**stats, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "I_REST": 6, "I_SMAX": 7, "I_SSUM": 8,
+             "HAS_LABELS": True,
              "SEPARATE_SUM_1": not zeros, "WRITE": True, "WRITE_ZEROS": zeros, "REST_SUM": not zeros},
             num_warps=4,
         )
@@ -63,7 +64,8 @@ def main():
                                                 (False, 2, True)):
         compile_sm90(grad_fixup_kernel, fixup,
                      {**stats, "HAS_BETA": every_term, "GHOST": every_term and divergence == 0,
-                      "HAS_LABELS": every_term, "DIVERGENCE": divergence, "SPARSE_ONLY": sparse_only}, num_warps=4)
+                      "HAS_LABELS": every_term, "DIVERGENCE": divergence, "SPARSE_ONLY": sparse_only,
+                      "SUPPORT_FRAME": sparse_only}, num_warps=4)
     row_vectors = ("const", "lse_coef", "mass", "rest_mass", "rho", "label_owned", "kd", "ce", "alpha", "beta", "sparse_scale",
                    "ghost", "label_sparse")
     support_vectors = ("zs", "owned", "log_target", "sums", "shift", "center")
@@ -77,8 +79,8 @@ def main():
              **{f"{n}_ptr": "*fp32" for n in row_vectors + support_vectors}, "K": "i32",
              "kd_grad_weight": "fp32", "ce_weight": "fp32", "inv_tau": "fp32", "jsd_beta": "fp32", "log_beta": "fp32",
              "log1m_beta": "fp32"},
-            {"TP": tp, "NUM_STATS": 7, "I_MAX": 0, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "I_LABEL": 5,
-             "I_REST": 6,
+            {"TP": tp, "NUM_STATS": 9, "I_MAX": 0, "I_SUM_T": 1, "I_SUM_1": 2, "I_TDOT": 3, "I_TSUM": 4, "I_LABEL": 5,
+             "I_REST": 6, "I_SMAX": 7, "I_SSUM": 8,
              "GHOST": divergence != 1, "HAS_LABELS": True, "NEED_GRAD": True, "CE_GRAD": True, "SEPARATE_BETA": True,
              "DIVERGENCE": divergence, "SUMS": sums.value, "BLOCK_R": block_r, "BLOCK_KT": ENTRY_TILE,
              "K_TILES": 4 if divergence else 0},
