@@ -296,13 +296,16 @@ class CacheWriter:
         [n, seq_length, K]. Samples already on disk are skipped. Returns how many were new."""
         return self.store(self.encode(sample_idx, topk_ids, topk_logprobs))
 
+    def _check_open(self) -> None:
+        if self._lock is None:
+            raise CacheError(f"{self.path / partition_name(self.rank)}: this writer is closed; open a new one "
+                             f"to resume")
+
     def encode(self, sample_idx, topk_ids, topk_logprobs) -> EncodedSamples:
         """The first half of ``write``: check the samples (shape, partition, entries) and encode
         them on the tensors' device, then copy to host. Touches no state: ``store`` may run on
         another thread (write_behind.py) while the next micro-batch is encoded."""
-        if self._lock is None:
-            raise CacheError(f"{self.path / partition_name(self.rank)}: this writer is closed; open a new one "
-                             f"to resume")
+        self._check_open()
         indices = np.atleast_1d(np.asarray(sample_idx, dtype=np.int64))
         expect = (len(indices), self.meta.seq_length, self.meta.topk)
         if np.ndim(sample_idx) == 0:
@@ -325,9 +328,7 @@ class CacheWriter:
             return self._store(encoded)
 
     def _store(self, encoded: EncodedSamples) -> int:
-        if self._lock is None:
-            raise CacheError(f"{self.path / partition_name(self.rank)}: this writer is closed; open a new one "
-                             f"to resume")
+        self._check_open()
         new = 0
         for i, row in enumerate(encoded.rows.tolist()):
             if self.done[row]:
