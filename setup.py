@@ -39,8 +39,9 @@ setup(
         "requests",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
-        "dev": ["pytest>=8", "pytest-timeout", "ruff"],
+        # pytest-xdist: the GPU test command runs its CUDA tests on several workers
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff"],
     },
     entry_points={"console_scripts": ["megatron-kd=megatron_kd.cli:main"]},
 )

@@ -102,7 +102,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_kd.megatron.packing import PACKING_MODES, DocumentPacking
+from megatron_kd.cache.meta import PACKING_MODES
+from megatron_kd.megatron.packing import DocumentPacking
 from megatron_kd.ops import DIVERGENCES, TAILS
 
 EOD, PAD = "<eod>", "<pad>"

@@ -154,7 +154,7 @@ def rel(a, b) -> float:
 def measure(opts) -> list[dict]:
     from cuda_timing import cuda_median_ms
 
-    from megatron_kd.megatron.packing import Documents
+    from megatron_kd.models.documents import Documents
     from megatron_kd.models.attention import _document_block_mask
 
     s = opts.seq

@@ -42,16 +42,37 @@ def _entry(rank, fn, world_size, port, backend, args):
         dist.destroy_process_group()
 
 
+# What a gloo (CPU) child sees on a machine with a GPU: no GPU, and Triton in its interpreter, as on
+# the CPU machines. ``megatron_cpu_patches`` points torch.cuda.current_device at the CPU, which
+# torch.compile (megatron-core's fused bias-dropout-add) queries when CUDA is available.
+_CPU_CHILD_ENV = {"CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+
+
+@contextlib.contextmanager
+def _environment(changes: dict[str, str]):
+    saved = {key: os.environ.get(key) for key in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def spawn(fn, *args, world_size: int = 2, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes; fail if any fails.
 
-    ``backend`` "gloo" (CPU) or "nccl" (rank r on cuda:r). ``fn`` must be a module-level function
-    (it is pickled into the spawned processes).
+    ``backend`` "gloo" (CPU: the children see no GPU, whatever the machine has) or "nccl" (rank r
+    on cuda:r). ``fn`` must be a module-level function (it is pickled into the spawned processes).
     """
-    mp.start_processes(
-        _entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True,
-        start_method="spawn",
-    )
+    with _environment(_CPU_CHILD_ENV if backend == "gloo" else {}):
+        mp.start_processes(
+            _entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True,
+            start_method="spawn",
+        )
 
 
 class _CpuMemoryBuffer:

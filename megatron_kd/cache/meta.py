@@ -27,6 +27,10 @@ from megatron_kd.cache.layout import PartitionLayout
 SCHEMA_VERSION = 2
 ATTR_KEY = "megatron_kd"
 MODES = ("topk", "sampled")
+# How the teacher saw the documents packed into a sample: apart ("documents": Megatron-LM's
+# --reset-attention-mask), positions restarting per document ("positions": --reset-position-ids),
+# both, or neither.
+PACKING_MODES = ("none", "documents", "positions", "documents+positions")
 FINGERPRINTS = ("teacher_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint")
 # Keys a writer's ``metadata`` may set; anything else belongs under "extra".
 METADATA_KEYS = ("temperature", "mode", "sampled_draws", "packing", *FINGERPRINTS, "extra")
@@ -60,8 +64,8 @@ class CacheMeta:
     sampled_draws: int = 0
     """Draws per token in sampled mode (0 in top-K mode)."""
     packing: str = "none"
-    """How the teacher saw the documents packed into a sample (``megatron_kd.megatron.packing``'s
-    PACKING_MODES: "none", "documents", "positions", "documents+positions"); a student must pack alike."""
+    """How the teacher saw the documents packed into a sample (one of ``PACKING_MODES``; the flags
+    that ask for each are ``megatron_kd.megatron.packing``'s); a student must pack alike."""
     teacher_fingerprint: str = ""
     tokenizer_fingerprint: str = ""
     dataset_fingerprint: str = ""
@@ -160,11 +164,8 @@ class CacheMeta:
             bad("temperature", "a positive number")
         if self.mode not in MODES:
             bad("mode", f"one of {MODES}")
-        if self.packing != "none":
-            from megatron_kd.megatron.packing import PACKING_MODES
-
-            if self.packing not in PACKING_MODES:
-                bad("packing", f"one of {PACKING_MODES}")
+        if self.packing not in PACKING_MODES:
+            bad("packing", f"one of {PACKING_MODES}")
         for name in FINGERPRINTS:
             if not isinstance(getattr(self, name), str):
                 bad(name, "a string")

@@ -20,7 +20,7 @@ A sink is one extra key per head whose logit is the sink and whose value is zero
 probability mass and adds nothing. With lse the log-sum-exp of the real scores of a row and
 σ the sink, lse' = logaddexp(lse, σ) and the output is o·exp(lse − lse') = o·sigmoid(lse − σ).
 
-Packed documents (``documents=``, a ``megatron_kd.megatron.packing.Documents``; CoreAttention
+Packed documents (``documents=``, a ``megatron_kd.models.documents.Documents``; CoreAttention
 takes it from ``PackedDocuments``): query i also sees only keys j >= start(i), the first token of
 its document, on every path, so a packed sample computes what each document computes alone:
 
@@ -51,6 +51,8 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import is_layer_window_attention
+
+from megatron_kd.models.documents import PackedDocuments
 
 ATTENTION_IMPLS = ("auto", "sdpa", "cudnn", "flex", "varlen", "math")
 
@@ -321,7 +323,7 @@ def core_attention(q, k, v, *, scale: float, causal: bool = True, window: tuple[
                    documents=None) -> torch.Tensor:
     """Attention of q [b, heads, s, d] over k, v [b, groups, skv, d] (GQA), causal and/or within a
     ``window``, with an optional sink logit per head ``sink`` [heads], and within the packed
-    ``documents`` of each sample (``packing.Documents`` of shape [b, s]); returns [b, heads, s, d].
+    ``documents`` of each sample (``documents.Documents`` of shape [b, s]); returns [b, heads, s, d].
     ``impl`` names the implementation (``ATTENTION_IMPLS``; see the module docstring)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
@@ -372,12 +374,10 @@ class CoreAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        from megatron_kd.megatron.packing import PackedDocuments
-
         if attention_bias is not None:
             raise ValueError("CoreAttention does not take an attention bias")
         if packed_seq_params is not None and not isinstance(packed_seq_params, PackedDocuments):
-            raise ValueError(f"CoreAttention takes packed documents as megatron_kd.megatron.packing.PackedDocuments; "
+            raise ValueError(f"CoreAttention takes packed documents as megatron_kd.models.documents.PackedDocuments; "
                              f"got {type(packed_seq_params).__name__} (qkv_format {packed_seq_params.qkv_format!r}: "
                              f"the THD format needs Transformer Engine's attention)")
         documents = None if packed_seq_params is None else packed_seq_params.documents

@@ -81,7 +81,7 @@ def build_gpt_model(config: TransformerConfig, *, vocab_size: int, max_sequence_
         seq_len_interpolation_factor=seq_len_interpolation_factor, vp_stage=vp_stage,
     )
     if not use_te:  # the local spec rotates by sequence index: packed documents bring their own positions
-        from megatron_kd.megatron.packing import install_document_positions
+        from megatron_kd.models.documents import install_document_positions
 
         install_document_positions(model)
     return model

@@ -53,7 +53,7 @@ def test_patched_builder_makes_fused_adamw_cpu(restore_builder):
     _check_builds_fused(torch.device("cpu"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_patched_builder_makes_fused_adamw_cuda(restore_builder):
     _check_builds_fused(torch.device("cuda"))
 

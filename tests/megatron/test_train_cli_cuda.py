@@ -18,7 +18,7 @@ import torch
 
 from cli_utils import run_cli
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.cuda
 
 VOCAB = 256  # --tokenizer-type NullTokenizer --vocab-size 256: ids 0..254, end-of-document 255
 EOD = VOCAB - 1

@@ -95,7 +95,8 @@ def test_bad_impl():
         core_attention(q, q, q, scale=0.3, window=(2, 0), dropout_p=0.1, impl="flex")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
+@pytest.mark.xdist_group("gpu_memory")  # its fp32 [s, s] references take up to ~60 GiB
 @pytest.mark.parametrize("impl, window", [("flex", (127, 0)), ("cudnn", None), ("flex", None)])
 @pytest.mark.parametrize("seq, heads, groups", [(4096, 8, 1), (16384, 8, 2), (32768, 2, 1)])
 def test_cuda_attention_matches_fp32_reference(seed, impl, window, seq, heads, groups):

@@ -160,13 +160,11 @@ def _experts_worker(rank, world, seed, device):
         checks(torch.device("cpu"))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU harness points torch.cuda.current_device at the CPU, "
-                    "which torch.compile queries on a CUDA host; the CUDA variant runs there")
 def test_grouped_experts_equal_sequential_cpu_bf16(seed):
     spawn(_experts_worker, seed, "cpu", world_size=1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_grouped_experts_equal_sequential_cuda(seed):
     spawn(_experts_worker, seed, "cuda", world_size=1, backend="nccl")
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cli_utils import run_cli  # noqa: E402
 from tiny_gpt_oss import TINY_ARCH, TOKENIZER_TOKENS, make_tiny_gpt_oss, recipe_flags  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.cuda
 EOD = 1  # the tiny tokenizer's <eos>
 
 

@@ -1,4 +1,4 @@
-"""Packed documents (megatron_kd/megatron/packing.py and the document paths of models/attention.py).
+"""Packed documents (megatron_kd/megatron/packing.py, models/documents.py and the document paths of models/attention.py).
 
 1. boundaries: ``Documents`` computes from the tokens what megatron-core's
    ``_get_ltor_masks_and_position_ids`` computes with --reset-attention-mask --reset-position-ids
@@ -30,8 +30,8 @@ from kd_inputs import rel_err  # noqa: E402
 from tiny_gpt_oss import SEQ, VOCAB_ROWS, make_tiny_gpt_oss, tiny_flags  # noqa: E402
 
 from megatron_kd.errors import FlagError  # noqa: E402
-from megatron_kd.megatron.packing import (  # noqa: E402
-    DocumentPacking, Documents, PackedDocuments, check_packing_flags, document_starts)
+from megatron_kd.megatron.packing import DocumentPacking, check_packing_flags  # noqa: E402
+from megatron_kd.models.documents import Documents, PackedDocuments, document_starts  # noqa: E402
 from megatron_kd.models.attention import _document_block_mask, core_attention  # noqa: E402
 
 EOD = 1
@@ -349,7 +349,7 @@ def test_flag_refusals(monkeypatch):
         check_packing_flags(flags(apply_rope_fusion=True))
     check_packing_flags(flags(pipeline_model_parallel_size=2))
     with monkeypatch.context() as m:  # a machine with Transformer Engine
-        m.setattr("megatron_kd.models.gpt.have_transformer_engine", lambda: True)
+        m.setattr("megatron_kd.megatron.packing.have_transformer_engine", lambda: True)
         te = dict(transformer_impl="transformer_engine", pipeline_model_parallel_size=2)
         check_packing_flags(flags(**te, micro_batch_size=1, apply_rope_fusion=True))
         with pytest.raises(FlagError, match="Transformer Engine, --pipeline-model-parallel-size 2 and "

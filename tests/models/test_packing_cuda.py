@@ -18,10 +18,10 @@ import torch
 
 from kd_inputs import rel_err
 
-from megatron_kd.megatron.packing import Documents
+from megatron_kd.models.documents import Documents
 from megatron_kd.models.attention import core_attention
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.cuda, pytest.mark.xdist_group("gpu_memory")]  # fp32 [s, s] references
 
 WINDOW = (127, 0)  # GPT-OSS's 128 keys
 BOUND = 2e-2

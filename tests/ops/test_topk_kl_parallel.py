@@ -60,7 +60,7 @@ def _tp_worker(rank, world, seed, sequence_parallel, dtype, tol, device, impl, c
                 assert rel_err(gw, single[3].chunk(world, dim=0)[rank]) <= tol, where
 
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+two_gpus = [pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 # Triton kernels on CPU tensors run in the interpreter (conftest sets it on machines without a GPU).
 cpu_triton = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
