@@ -82,9 +82,10 @@ BF16_FLOOR = 2.0 ** -8
 # clearly below what a wrong mapping, sign or layout gives (relative error >= 1), and the fp32
 # variant checks it to 1e-4.
 ROUTER_SUM_BOUND = 0.5
-# Tokens per layer whose own routing may differ from the reference's: bf16 flips the near-ties
-# (measured: at most 0.4% of a layer's tokens, CPU and H200), a wrong router most tokens.
-FLIP_BOUND = 0.02
+# Tokens per layer whose own routing may differ from the reference's. bf16 flips the near-ties, a
+# count that draws scatter (seeds 1-10 of the CPU variant: 0-6 of 320 tokens for ours, up to 7 for
+# transformers' bf16 model, a mean near 2); a wrong router flips most tokens. 10% sits far from both.
+FLIP_BOUND = 0.1
 
 
 class _Routing:
