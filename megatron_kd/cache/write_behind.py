@@ -12,9 +12,12 @@ is slower than the teacher.
 
 Nothing changes in what is written or when it counts as done: the worker stores micro-batches
 in submission order, and a sample is marked done only once its shard is on disk and bound
-(writer.py). A pass killed with micro-batches still queued loses them as it loses buffered
-rows; resuming recomputes them. An error on the worker (a full disk) is raised by the next
-``submit`` or by ``drain``.
+(writer.py). When the caller fails (an interrupt, an error in the next forward) the
+micro-batches already queued are still stored, at most ``depth`` of them and their data checked
+by ``encode``: what the store holds then depends on what was submitted, not on how far the
+worker had got. Rows still buffered in a shard that is not full are lost, as in a crash, and
+resuming recomputes them. An error on the worker (a full disk) is raised by the next ``submit``
+or by ``drain``.
 """
 
 from __future__ import annotations
@@ -50,9 +53,12 @@ class WriteBehind:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     def abandon(self) -> None:
-        """Drop the stores not begun and wait for the one running (the caller is failing: its
-        error, not the worker's, is the one to raise)."""
-        self._queued.clear()
+        """Finish the queued stores, keeping quiet about the worker's errors: the caller is failing,
+        and its error, not the worker's, is the one to raise."""
+        while self._queued:
+            future = self._queued.popleft()
+            if future.cancelled() or future.exception() is not None:
+                break  # the writer failed (or drain gave up on it): the rest is not stored
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def __enter__(self) -> "WriteBehind":

@@ -97,3 +97,26 @@ def test_the_callers_error_is_not_masked(tmp_path):
             behind.submit(*next(_micro_batches(writer, 1)))
             raise RuntimeError("teacher failed")
     writer._unlock()
+
+
+def test_a_failing_caller_still_stores_what_it_queued(tmp_path, monkeypatch):
+    """What a failed pass leaves on disk is what it had submitted, however slow the worker: with a
+    store that takes 0.2 s the second micro-batch has not begun when the caller fails, and is
+    stored all the same (its samples fill the partition's first shard, which is then bound)."""
+    import time
+
+    writer = _open(tmp_path / "c", 0)
+    store = writer.store
+    monkeypatch.setattr(writer, "store", lambda encoded: (time.sleep(0.2), store(encoded))[1])
+    batches = list(_micro_batches(writer, 2))
+    with pytest.raises(RuntimeError, match="teacher failed"):
+        with WriteBehind(writer, depth=2) as behind:
+            behind.submit(*batches[0])
+            behind.submit(*batches[1])
+            raise RuntimeError("teacher failed")
+    writer._unlock()  # the failed pass's process would exit here, dropping the rows buffered
+    again = _open(tmp_path / "c", 0)
+    submitted = np.concatenate([batches[0][0], batches[1][0]])
+    on_disk = np.setdiff1d(again.samples, again.pending_samples())
+    assert on_disk.tolist() == submitted[:ROWS].tolist()  # the full shard; the fourth sample was buffered
+    again.close()
