@@ -24,6 +24,11 @@ class FlagError(UserError):
     """A command-line flag is missing, unknown or out of range."""
 
 
+class ModelConfigError(UserError):
+    """A model flag does not match a Hugging Face config, or describes an architecture that cannot
+    be imported or exported."""
+
+
 class FlagParser(argparse.ArgumentParser):
     """argparse, with every parsing mistake raised as one ``FlagError`` line (``--help`` still
     prints the usage)."""

@@ -7,7 +7,7 @@
 The checkpoint is loaded with tensor- and pipeline-parallel size 1 whatever layout it was trained
 with (Megatron's distributed checkpoints reshard on load; its padded vocabulary size is read from
 the checkpoint), and written through nvidia-modelopt's exporter with the Hugging Face config
-that computes the same function (``models.gpt_oss.gpt_oss_hf_config``). The vocabulary has the
+that computes the same function (``models.hf.hf_config_from_args``: GPT-OSS, Llama or Qwen3). The vocabulary has the
 rows of the Hugging Face directory the student started from (``--kd-student-hf``, remembered in
 the checkpoint's arguments), else the tokenizer's; the tokenizer files are copied alongside.
 """
@@ -28,8 +28,8 @@ def main(argv: list[str]) -> int:
     from megatron.training.training import get_model
 
     from megatron_kd.megatron.train import model_provider, parse_megatron_args, require_cuda
-    from megatron_kd.models.gpt_oss import ModelConfigError, gpt_oss_hf_config
-    from megatron_kd.models.hf import export_hf_weights, hf_vocab_rows
+    from megatron_kd.errors import ModelConfigError
+    from megatron_kd.models.hf import export_hf_weights, hf_config_from_args, hf_vocab_rows
 
     ours = argparse.ArgumentParser(prog="megatron-kd export-hf", add_help=False)
     ours.add_argument("--out", required=True)
@@ -51,15 +51,17 @@ def main(argv: list[str]) -> int:
     from megatron.training import get_tokenizer
 
     vocab = hf_vocab_rows(template) if template else get_tokenizer().vocab_size
-    hf_config = gpt_oss_hf_config(args, vocab_size=vocab)
+    hf_config = hf_config_from_args(args, vocab_size=vocab)
 
     model = get_model(model_provider, wrap_with_ddp=False)
     iteration, _ = load_checkpoint(model, None, None, strict=True)
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
     export_hf_weights(unwrap_model(model[0]), known.out, hf_config, dtype=dtype,
                       tokenizer_dir=template or args.tokenizer_model)
-    print_rank_0(f"exported {args.load} (iteration {iteration}) to {known.out}: {hf_config.num_hidden_layers} layers, "
-                 f"{hf_config.num_local_experts} experts, vocabulary {vocab}, {dtype}")
+    experts = getattr(hf_config, "num_local_experts", None)
+    print_rank_0(f"exported {args.load} (iteration {iteration}) to {known.out}: {hf_config.architectures[0]}, "
+                 f"{hf_config.num_hidden_layers} layers" + (f", {experts} experts" if experts else "")
+                 + f", vocabulary {vocab}, {dtype}")
     return 0
 
 

@@ -68,9 +68,9 @@ def gpt_layer_spec(config: TransformerConfig, *, use_te: bool | None = None):
 
 def build_gpt_model(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
                     position_embedding_type: str = "rope", rotary_base: float = 10000, rotary_percent: float = 1.0,
-                    seq_len_interpolation_factor: float | None = None,
-                    share_embeddings_and_output_weights: bool = False, pre_process: bool = True,
-                    post_process: bool = True, use_te: bool | None = None, vp_stage: int | None = None) -> GPTModel:
+                    seq_len_interpolation_factor: float | None = None, rope_scaling: bool = False,
+                    rope_scaling_factor: float = 8.0, share_embeddings_and_output_weights: bool = False,
+                    pre_process: bool = True, post_process: bool = True, use_te: bool | None = None, vp_stage: int | None = None) -> GPTModel:
     config = correct_config(config)
     use_te = have_transformer_engine() if use_te is None else use_te
     model = GPTModel(
@@ -78,7 +78,8 @@ def build_gpt_model(config: TransformerConfig, *, vocab_size: int, max_sequence_
         max_sequence_length=max_sequence_length, pre_process=pre_process, post_process=post_process,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type, rotary_base=rotary_base, rotary_percent=rotary_percent,
-        seq_len_interpolation_factor=seq_len_interpolation_factor, vp_stage=vp_stage,
+        seq_len_interpolation_factor=seq_len_interpolation_factor, rope_scaling=rope_scaling,
+        rope_scaling_factor=rope_scaling_factor, vp_stage=vp_stage,
     )
     if not use_te:  # the local spec rotates by sequence index: packed documents bring their own positions
         from megatron_kd.models.documents import install_document_positions
@@ -99,6 +100,7 @@ def gpt_model_from_args(args, config: TransformerConfig | None = None, *, pre_pr
         config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         rotary_percent=args.rotary_percent, seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         pre_process=pre_process, post_process=post_process, use_te=use_te, vp_stage=vp_stage,
     )

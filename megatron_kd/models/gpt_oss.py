@@ -19,11 +19,7 @@ with megatron-core 0.19's conventions:
 
 from __future__ import annotations
 
-from megatron_kd.errors import UserError
-
-
-class ModelConfigError(UserError):
-    """A model flag does not match a Hugging Face config (or is not GPT-OSS); one-line message."""
+from megatron_kd.errors import ModelConfigError
 
 
 def is_gpt_oss(args) -> bool:

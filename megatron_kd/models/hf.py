@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_kd.errors import ModelConfigError
+
 
 def _safetensors_keys(path: Path) -> set[str]:
     index = path / "model.safetensors.index.json"
@@ -108,15 +110,43 @@ def hf_vocab_rows(hf_dir: str | Path) -> int:
     return int(config.get("text_config", config)["vocab_size"])
 
 
-def init_from_hf(model, hf_dir: str | Path, args) -> None:
-    """Initialize the model Megatron-LM flags ``args`` built from a Hugging Face directory, after
-    checking (GPT-OSS) that the directory's architecture is the one the flags describe."""
-    import transformers
-
-    from megatron_kd.models.gpt_oss import check_hf_config, is_gpt_oss
+def hf_config_from_args(args, *, vocab_size: int):
+    """The ``transformers`` config computing what the model built from Megatron-LM flags ``args``
+    computes: GPT-OSS (``gpt_oss.py``), Llama or Qwen3 (``llama.py``). ``vocab_size`` is the
+    tokenizer's (unpadded) vocabulary."""
+    from megatron_kd.models.gpt_oss import gpt_oss_hf_config, is_gpt_oss
+    from megatron_kd.models.llama import dense_hf_config, is_dense_decoder
 
     if is_gpt_oss(args):
-        check_hf_config(transformers.AutoConfig.from_pretrained(hf_dir), args, source=str(hf_dir))
+        return gpt_oss_hf_config(args, vocab_size=vocab_size)
+    if is_dense_decoder(args):
+        return dense_hf_config(args, vocab_size=vocab_size)
+    raise ModelConfigError("the model flags are neither GPT-OSS (examples/gpt_oss) nor a Llama / Qwen3 decoder "
+                           "(examples/llama): no Hugging Face architecture computes them")
+
+
+def check_hf_dir_config(hf_dir: str | Path, args) -> None:
+    """Refuse a Hugging Face directory whose config.json describes another model than the flags."""
+    import transformers
+
+    from megatron_kd.models.gpt_oss import check_hf_config
+    from megatron_kd.models.llama import ARCHITECTURES, check_dense_hf_config
+
+    hf_config = transformers.AutoConfig.from_pretrained(hf_dir)
+    kind = getattr(hf_config, "model_type", None)
+    if kind == "gpt_oss":
+        check_hf_config(hf_config, args, source=str(hf_dir))
+    elif kind in ARCHITECTURES:
+        check_dense_hf_config(hf_config, args, source=str(hf_dir))
+    else:
+        raise ModelConfigError(f"{hf_dir}/config.json: model_type {kind!r}; megatron_kd imports gpt_oss, "
+                               f"{', '.join(ARCHITECTURES)}")
+
+
+def init_from_hf(model, hf_dir: str | Path, args) -> None:
+    """Initialize the model Megatron-LM flags ``args`` built from a Hugging Face directory, after
+    checking that the directory's architecture is the one the flags describe."""
+    check_hf_dir_config(hf_dir, args)
     import_hf_weights(model, hf_dir)
 
 
@@ -125,7 +155,7 @@ def export_hf_weights(model, out_dir: str | Path, hf_config, *, dtype: torch.dty
     """Write a Hugging Face checkpoint directory (safetensors + ``hf_config`` + tokenizer files).
 
     Collective over all ranks (ModelOpt gathers expert-parallel shards); tensor-parallel size 1.
-    ``hf_config`` is the transformers config the model computes (``gpt_oss.gpt_oss_hf_config``);
+    ``hf_config`` is the transformers config the model computes (``hf_config_from_args``);
     its ``vocab_size`` is the unpadded vocabulary.
     """
     from modelopt.torch.export.plugins.mcore_common import all_mcore_hf_export_mapping

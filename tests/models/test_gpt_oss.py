@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from kd_inputs import rel_err, teacher_topk  # noqa: E402
+from hf_equality import build_student, kd_step, megatron_logits, reference_logits, safetensors_of  # noqa: E402
+from kd_inputs import rel_err  # noqa: E402
 from tiny_gpt_oss import SEQ, VOCAB_ROWS, make_tiny_gpt_oss, recipe_flags, tiny_flags  # noqa: E402
 
 TOL = 1e-4
@@ -34,8 +35,9 @@ def test_recipe_is_the_published_architecture(size, layers, experts):
     from megatron.training.arguments import parse_args
     from transformers import GptOssConfig
 
+    from megatron_kd.errors import ModelConfigError
     from megatron_kd.megatron.args import add_kd_args
-    from megatron_kd.models.gpt_oss import ModelConfigError, check_hf_config, gpt_oss_hf_config
+    from megatron_kd.models.gpt_oss import check_hf_config, gpt_oss_hf_config
 
     argv, sys.argv = sys.argv, ["megatron-kd", *recipe_flags(size)]
     try:
@@ -53,71 +55,8 @@ def test_recipe_is_the_published_architecture(size, layers, experts):
             check_hf_config(GptOssConfig(**{**published.to_dict(), field: value}), args, source="x")
 
 
-def _reference_logits(hf_dir, tokens):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=tokens).logits
-
-
-def _logits(model, tokens, tp_group=None):
-    """Full-vocabulary logits of a megatron GPTModel [b, s, V_padded] (TP shards gathered)."""
-    with torch.no_grad():
-        out = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
-    if tp_group is not None and tp_group.size() > 1:
-        parts = [torch.empty_like(out) for _ in range(tp_group.size())]
-        torch.distributed.all_gather(parts, out.contiguous(), group=tp_group)
-        out = torch.cat(parts, -1)
-    return out[..., :VOCAB_ROWS]
-
-
 def _build_student(hf_dir, *extra):
-    """parse_megatron_args + model_provider: what ``megatron-kd train --kd-student-hf`` runs."""
-    from megatron.core import parallel_state
-
-    from megatron_kd.megatron.train import model_provider, parse_megatron_args
-
-    args = parse_megatron_args(tiny_flags(hf_dir, *extra))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                             expert_model_parallel_size=args.expert_model_parallel_size,
-                                             expert_tensor_parallel_size=args.expert_tensor_parallel_size)
-    return args, model_provider()
-
-
-def _kd_step(model, tp_group, seed):
-    """Fused vs dense KD loss and grads on the model; then one SGD step must lower the fused loss."""
-    from megatron_kd.megatron.args import KDConfig
-    from megatron_kd.megatron.loss import KDForwardStep
-
-    g = torch.Generator().manual_seed(seed)
-    b, k = 2, 8
-    tokens = torch.randint(3, 990, (b, SEQ), generator=g)
-    torch.manual_seed(seed)
-    ids, lps = teacher_topk(b * SEQ, 990, k)
-    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1), "position_ids": torch.arange(SEQ).expand(b, SEQ),
-             "loss_mask": torch.ones(b, SEQ), "teacher_ids": ids.view(b, SEQ, k).int(),
-             "teacher_logprobs": lps.view(b, SEQ, k)}
-    results = {}
-    for impl in ("dense", "fused"):
-        model.zero_grad()
-        step = KDForwardStep(KDConfig(impl=impl, ce_weight=0.1, tail="ghost", chunk_size=13), tp_group=tp_group,
-                             device=torch.device("cpu"))
-        output, loss_fn = step(iter([batch]), model)
-        loss = loss_fn(output)[0]
-        loss.backward()
-        results[impl] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    (l_dense, g_dense), (l_fused, g_fused) = results["dense"], results["fused"]
-    assert rel_err(l_fused, l_dense) < 1e-5
-    assert g_fused.keys() == g_dense.keys() and any("local_experts" in n for n in g_fused)
-    for name in g_fused:
-        assert rel_err(g_fused[name], g_dense[name]) < 1e-4, name
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p -= 1e-2 * p.grad
-    output, loss_fn = step(iter([batch]), model)
-    assert loss_fn(output)[0] < l_fused
+    return build_student(tiny_flags(hf_dir, *extra))
 
 
 def _controls(args, model, hf_dir, tokens, want):
@@ -153,33 +92,25 @@ def _controls(args, model, hf_dir, tokens, want):
         import_hf_weights(m, hf_dir)
         if edit is not None:
             edit(m)
-        err = rel_err(_logits(m, tokens), want)
+        err = rel_err(megatron_logits(m, tokens), want)
         assert (err > 5 * TOL) if name in wrong else (err < TOL), f"{name}: relative error {err:.2e}"
 
 
 def _export_round_trip(args, model, hf_dir, out_dir, tokens, want):
-    from safetensors import safe_open
     from transformers import AutoConfig
 
     from megatron_kd.models.gpt_oss import check_hf_config, gpt_oss_hf_config
     from megatron_kd.models.hf import export_hf_weights
 
-    def tensors(path):
-        out = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as st:
-                out.update({k: st.get_tensor(k) for k in st.keys()})
-        return out
-
     export_hf_weights(model, out_dir, gpt_oss_hf_config(args, vocab_size=VOCAB_ROWS), dtype=torch.float32,
                       tokenizer_dir=hf_dir)
-    before, after = tensors(hf_dir), tensors(out_dir)
+    before, after = safetensors_of(hf_dir), safetensors_of(out_dir)
     assert before.keys() == after.keys()
     for key in before:
         assert torch.equal(before[key], after[key]), key
     check_hf_config(AutoConfig.from_pretrained(out_dir), args, source=str(out_dir))
     assert (Path(out_dir) / "tokenizer.json").is_file()
-    assert rel_err(_reference_logits(out_dir, tokens), want) < TOL
+    assert rel_err(reference_logits(out_dir, tokens), want) < TOL
 
 
 def _tp1_worker(rank, world, tmp, seed):
@@ -189,11 +120,11 @@ def _tp1_worker(rank, world, tmp, seed):
         args, model = _build_student(hf_dir)
         assert args.padded_vocab_size == VOCAB_ROWS  # tokenizer 990 (padded 992) < the checkpoint's 1000 rows
         tokens = torch.randint(0, 990, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-        want = _reference_logits(hf_dir, tokens)
-        assert rel_err(_logits(model, tokens), want) < TOL
+        want = reference_logits(hf_dir, tokens)
+        assert rel_err(megatron_logits(model, tokens), want) < TOL
         _controls(args, model, hf_dir, tokens, want)
         _export_round_trip(args, model, hf_dir, Path(tmp) / "exported", tokens, want)
-        _kd_step(model, None, seed)
+        kd_step(model, None, seed, SEQ, experts=True)
 
 
 def test_tiny_gpt_oss_equals_transformers(tmp_path, seed):
@@ -211,13 +142,13 @@ def _parallel_worker(rank, world, tmp, seed, parallel_flag):
         torch.distributed.barrier()
         args, model = _build_student(hf_dir, parallel_flag, str(world))
         tokens = torch.randint(0, 990, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-        want = _reference_logits(hf_dir, tokens)
+        want = reference_logits(hf_dir, tokens)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         # megatron-core refuses MoE in training mode under TP without sequence parallelism, which its
         # local spec lacks (no TE norm); with dropout 0, eval mode computes the same loss and gradients
         model.train(tp_group.size() == 1)
-        assert rel_err(_logits(model, tokens, tp_group), want) < TOL
-        _kd_step(model, tp_group, seed)
+        assert rel_err(megatron_logits(model, tokens, tp_group), want) < TOL
+        kd_step(model, tp_group, seed, SEQ, experts=True)
 
 
 @pytest.mark.parametrize("parallel_flag", ["--tensor-model-parallel-size", "--expert-model-parallel-size"],

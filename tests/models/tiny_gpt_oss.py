@@ -174,8 +174,7 @@ def make_tiny_gpt_oss(path: Path, seed: int = 0, *, shape: GptOssShape = TINY, l
     """Save a random fp32 GptOssForCausalLM of ``shape`` and a word-level tokenizer into ``path``,
     its experts in the ``layout`` "dense" (``save_pretrained``'s) or "mxfp4" (the release's); the
     same ``seed`` and ``shape`` give the same numbers in both."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import GptOssForCausalLM, PreTrainedTokenizerFast
+    from transformers import GptOssForCausalLM
 
     if layout not in ("dense", "mxfp4"):
         raise ValueError(f"layout is 'dense' or 'mxfp4', got {layout!r}")
@@ -192,9 +191,17 @@ def make_tiny_gpt_oss(path: Path, seed: int = 0, *, shape: GptOssShape = TINY, l
     model.save_pretrained(path)
     if layout == "mxfp4":
         write_mxfp4_layout(Path(path))
+    save_word_tokenizer(path)
+    return path
+
+
+def save_word_tokenizer(path: Path) -> None:
+    """A word-level tokenizer of TOKENIZER_TOKENS tokens (<pad>, <eos>, <bos>, w3 ...) into ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{f"w{i}": i for i in range(3, TOKENIZER_TOKENS)}}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w3"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>",
                             unk_token="w3").save_pretrained(path)
-    return path

@@ -1,0 +1,138 @@
+"""Llama 3 and Qwen3 students and teachers are what transformers computes: megatron-core built from
+the flags ``llama.megatron_flags`` gives for a checkpoint, with weights in and out through
+nvidia-modelopt.
+
+1. a tiny random LlamaForCausalLM (RoPE scaled as Llama 3.1) and Qwen3ForCausalLM (QK-norm),
+   imported through ``model_provider`` (``--kd-student-hf``, what ``megatron-kd train`` runs), give
+   transformers' fp32 logits to ≤1e-4 at TP=1 and TP=2 on gloo; controls show the comparison
+   catches RoPE without Llama 3's scaling, a wrong θ and (Qwen3) no QK-norm
+2. one fused-KD training step on the imported model equals the dense reference (loss, all grads)
+   and lowers the loss
+3. HF -> Megatron -> HF (``export_hf_weights`` with ``hf_config_from_args``) gives back identical
+   tensors and a config that transformers computes the same logits with
+4. a checkpoint that differs from the flags is refused in one line naming the field
+"""
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
+from hf_equality import build_student, kd_step, megatron_logits, reference_logits, safetensors_of  # noqa: E402
+from kd_inputs import rel_err  # noqa: E402
+from tiny_gpt_oss import TOKENIZER_TOKENS, VOCAB_ROWS  # noqa: E402
+from tiny_llama import KINDS, SEQ, make_tiny, tiny_config, tiny_flags  # noqa: E402
+
+TOL = 1e-4  # fp32: both sides round the same 2-layer model's sums differently, ~1e-6 relative
+
+
+def _tokens(seed):
+    return torch.randint(0, TOKENIZER_TOKENS, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def _controls(kind, args, hf_dir, tokens, want):
+    """Each wrong detail moves the logits far beyond the tolerance."""
+    from megatron_kd.models.gpt import gpt_model_from_args
+    from megatron_kd.models.hf import import_hf_weights
+
+    wrong = {"θ 10,000": {"rotary_base": 10000}}
+    if kind == "llama":
+        wrong["no Llama 3 RoPE scaling"] = {"use_rope_scaling": False}
+    else:
+        wrong["no QK-norm"] = {"qk_layernorm": False}
+    for name, flags in wrong.items():
+        variant = copy.deepcopy(args)
+        for key, value in flags.items():
+            setattr(variant, key, value)
+        m = gpt_model_from_args(variant)
+        import_hf_weights(m, hf_dir)
+        err = rel_err(megatron_logits(m.eval(), tokens), want)
+        assert err > 5 * TOL, f"{name}: relative error {err:.2e}"
+
+
+def _export_round_trip(args, model, hf_dir, out_dir, tokens, want):
+    from transformers import AutoConfig
+
+    from megatron_kd.models.hf import check_hf_dir_config, export_hf_weights, hf_config_from_args
+
+    export_hf_weights(model, out_dir, hf_config_from_args(args, vocab_size=VOCAB_ROWS), dtype=torch.float32,
+                      tokenizer_dir=hf_dir)
+    before, after = safetensors_of(hf_dir), safetensors_of(out_dir)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+    check_hf_dir_config(out_dir, args)
+    assert AutoConfig.from_pretrained(out_dir).model_type == AutoConfig.from_pretrained(hf_dir).model_type
+    assert (Path(out_dir) / "tokenizer.json").is_file()
+    assert rel_err(reference_logits(out_dir, tokens), want) < TOL
+
+
+def _tp1_worker(rank, world, tmp, kind, seed):
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    with megatron_cpu_patches():
+        hf_dir = make_tiny(kind, Path(tmp) / "hf", seed=seed)
+        args, model = build_student(tiny_flags(hf_dir))
+        assert args.padded_vocab_size == VOCAB_ROWS  # tokenizer 990 (padded 992) < the checkpoint's 1000 rows
+        tokens = _tokens(seed)
+        want = reference_logits(hf_dir, tokens)
+        assert rel_err(megatron_logits(model.eval(), tokens), want) < TOL
+        _controls(kind, args, hf_dir, tokens, want)
+        _export_round_trip(args, model, hf_dir, Path(tmp) / "exported", tokens, want)
+        kd_step(model.train(), None, seed, SEQ, experts=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_model_equals_transformers(tmp_path, seed, kind):
+    spawn(_tp1_worker, str(tmp_path), kind, seed, world_size=1)
+
+
+def _tp2_worker(rank, world, tmp, kind, seed):
+    from megatron.core import parallel_state
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    hf_dir = Path(tmp) / "hf"
+    with megatron_cpu_patches():
+        if rank == 0:
+            make_tiny(kind, hf_dir, seed=seed)
+        torch.distributed.barrier()
+        args, model = build_student(tiny_flags(hf_dir, "--tensor-model-parallel-size", str(world)))
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        tokens = _tokens(seed)
+        assert rel_err(megatron_logits(model.eval(), tokens, tp_group), reference_logits(hf_dir, tokens)) < TOL
+        kd_step(model.train(), tp_group, seed, SEQ, experts=False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_model_tensor_parallel_equals_transformers(tmp_path, seed, kind):
+    spawn(_tp2_worker, str(tmp_path), kind, seed, world_size=2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flags_describe_the_checkpoint_and_a_different_one_is_refused(kind):
+    from megatron_kd.errors import ModelConfigError
+    from megatron_kd.megatron.train import parse_flags
+    from megatron_kd.models.llama import check_dense_hf_config, dense_hf_config, megatron_flags
+
+    published = tiny_config(kind)
+    args = parse_flags(megatron_flags(published) + ["--seq-length", str(SEQ)], prog="test")
+    check_dense_hf_config(published, args, source="ckpt")
+    ours = dense_hf_config(args, vocab_size=published.vocab_size)
+    assert ours.model_type == kind and ours.rope_parameters == dict(published.rope_parameters)
+    changes = [("num_key_value_heads", 4), ("head_dim", 16), ("intermediate_size", 128), ("rms_norm_eps", 1e-6),
+               ("tie_word_embeddings", True)]
+    if kind == "llama":
+        changes.append(("rope_parameters", {**published.rope_parameters, "factor": 32.0}))
+        changes.append(("rope_parameters", {**published.rope_parameters, "low_freq_factor": 2.0}))
+    for field, value in changes:
+        other = tiny_config(kind, **{field: value})
+        with pytest.raises(ModelConfigError) as info:
+            check_dense_hf_config(other, args, source="ckpt")
+        message = str(info.value)
+        assert "\n" not in message and message.startswith("ckpt/config.json: ") and field in message, message
+    with pytest.raises(ModelConfigError, match="model_type"):
+        check_dense_hf_config(tiny_config("qwen3" if kind == "llama" else "llama"), args, source="ckpt")
