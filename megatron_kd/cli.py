@@ -4,11 +4,12 @@
     megatron-kd train <Megatron-LM flags> --kd-cache PATH ...      student training (GPUs, torchrun)
     megatron-kd cache build <Megatron-LM flags> --kd-cache PATH ...  teacher pass (GPUs, torchrun)
     megatron-kd export-hf <model flags> --load CKPT --out DIR       student checkpoint -> Hugging Face
+    megatron-kd prune <teacher + data flags> --prune-num-experts N --out DIR   a student cut from the teacher
     megatron-kd plan <Megatron-LM flags> [--gpus 8 --search]       memory per GPU before launching
     megatron-kd cache inspect PATH [--json]    summary of a teacher cache
     megatron-kd cache verify PATH              check metadata, completeness and every chunk
 
-``train``, ``cache build`` and ``export-hf`` take every Megatron-LM flag: ``--help`` lists ours,
+``train``, ``cache build``, ``export-hf`` and ``prune`` take every Megatron-LM flag: ``--help`` lists ours,
 ``--help-megatron`` Megatron-LM's. Errors in the input print one line to stderr and exit with
 status 2; ``train`` and ``cache build`` check everything they can (flags, Hugging Face directories,
 Megatron-LM's validation, that the machine has CUDA) before any work.
@@ -76,6 +77,12 @@ def _cmd_export_hf(args) -> int:
     return export_main(args.megatron_args)
 
 
+def _cmd_prune(args) -> int:
+    from megatron_kd.prune.command import main as prune_main
+
+    return prune_main(args.megatron_args)
+
+
 def _cmd_plan(args) -> int:
     from megatron_kd.megatron.plan import main as plan_main
 
@@ -94,6 +101,9 @@ MEGATRON_COMMANDS = {
                         "(or --kd-teacher-hf), and --kd-cache PATH; launch with torchrun.",
     ("export-hf",): "Write a student checkpoint as a Hugging Face directory: the student's model flags, "
                     "--load CKPT and --out DIR (torchrun, one GPU).",
+    ("prune",): "A student cut from a Hugging Face teacher (experts, layers, FFN width) by importance from a "
+                "calibration pass over the run's data: the teacher's model flags, the data flags, --kd-teacher-hf "
+                "DIR, the --prune-* targets and --out DIR; launch with torchrun.",
     ("plan",): "Memory per GPU of a run before launching it (the run's Megatron-LM flags; CPU, no GPU needed).",
 }
 
@@ -124,6 +134,10 @@ def _megatron_command_help(command: tuple[str, ...], megatron: bool) -> int:
                "Missing, unknown or invalid flags stop with one line and exit status 2.")
     if command == ("export-hf",):
         parser.add_argument("--out", metavar="DIR", help="Where to write the Hugging Face directory.")
+    if command == ("prune",):
+        from megatron_kd.prune.command import add_prune_args
+
+        add_prune_args(parser)
     if command == ("plan",):
         parser.add_argument("--gpus", help="GPUs in all (default 8).")
         parser.add_argument("--gpu-memory", help="Memory of one GPU (default 141GB, an H200).")
@@ -162,10 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     export = commands.add_parser("export-hf", help="Write a student checkpoint as a Hugging Face directory "
-                                                   "(GPT-OSS; torchrun, 1 GPU): the student's model flags, "
+                                                   "(GPT-OSS, Llama, Qwen3; torchrun, 1 GPU): the student's model flags, "
                                                    "--load CKPT and --out DIR.", add_help=False)
     export.add_argument("megatron_args", nargs=argparse.REMAINDER)
     export.set_defaults(func=_cmd_export_hf)
+
+    prune = commands.add_parser("prune", help="A student cut from a Hugging Face teacher by importance from a "
+                                              "calibration pass (GPUs; torchrun): --prune-num-experts / "
+                                              "--prune-num-layers / --prune-ffn-hidden-size, --out DIR.",
+                                add_help=False)
+    prune.add_argument("megatron_args", nargs=argparse.REMAINDER)
+    prune.set_defaults(func=_cmd_prune)
 
     cache = commands.add_parser("cache", help="Teacher top-K caches (Zarr v3 stores).")
     cache_cmds = cache.add_subparsers(dest="cache_command", required=True)
@@ -200,10 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_kd.errors import UserError
 
     commands = {("train",): _cmd_train, ("cache", "build"): _cmd_cache_build, ("export-hf",): _cmd_export_hf,
-                ("plan",): _cmd_plan}
+                ("plan",): _cmd_plan, ("prune",): _cmd_prune}
     checking = True  # every rank meets the same mistakes here: rank 0 reports them
     try:
-        # train / cache build / export-hf take Megatron-LM's own flags: hand them over untouched
+        # train / cache build / export-hf / prune take Megatron-LM's own flags: hand them over untouched
         for command, run in commands.items():
             if tuple(argv[:len(command)]) == command:
                 rest = argv[len(command):]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "megatron_kd"
 LAYERS = [("errors", "version", "distributed"), ("ops", "optim"), ("cache",), ("models",), ("console",),
-          ("megatron",), ("teacher",), ("demo", "cli", "train")]
+          ("megatron",), ("teacher",), ("prune",), ("demo", "cli", "train")]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 

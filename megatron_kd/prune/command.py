@@ -1,0 +1,119 @@
+"""``megatron-kd prune``: a student made from the teacher, for healing by distillation.
+
+    torchrun --nproc-per-node 8 -m megatron_kd.cli prune <the teacher's model flags> \\
+        <the student run's data flags> --kd-teacher-hf /models/gpt-oss-120b \\
+        --prune-num-experts 64 [--prune-num-layers 24] --prune-calib-samples 256 --out /models/student
+
+The teacher is built as ``cache build`` builds it (the same model flags, layout and data flags, so
+one ``cache build`` serves every pruned candidate), run over the first ``--prune-calib-samples``
+samples of the training set with the importance hooks of ``megatron_kd.prune.importance``, and
+the parts the targets keep are chosen by those scores (``prune.cuts``). Rank 0 then writes the
+student as a Hugging Face directory of the teacher's own tensors, cut (``prune.hf_checkpoint``);
+the student run starts from it with ``--kd-student-hf DIR`` and the teacher's model flags with the
+student's sizes (``--num-layers``, ``--num-experts``, ``--ffn-hidden-size``), which the command
+prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_kd.errors import FlagError, FlagParser
+
+
+def add_prune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("pruning (megatron-kd prune)")
+    group.add_argument("--out", metavar="DIR", help="Where to write the pruned student (Hugging Face directory).")
+    group.add_argument("--prune-num-layers", type=int, default=None, metavar="N",
+                       help="Layers the student keeps: the teacher's most influential ones (GPT-OSS: whole "
+                            "window / full-attention pairs). Default: all.")
+    group.add_argument("--prune-num-experts", type=int, default=None, metavar="N",
+                       help="Experts each MoE layer keeps: those with the most routing mass. Default: all.")
+    group.add_argument("--prune-ffn-hidden-size", type=int, default=None, metavar="N",
+                       help="FFN channels each dense MLP layer keeps (Llama, Qwen3): those with the largest "
+                            "activation norms. Default: all.")
+    group.add_argument("--prune-calib-samples", type=int, default=128, metavar="N",
+                       help="Training samples of the calibration pass (default 128).")
+    return parser
+
+
+def prune_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """prune's own flags (one ``FlagError`` each) and the Megatron-LM flags."""
+    opts, rest = add_prune_args(FlagParser(prog="megatron-kd prune", add_help=False)).parse_known_args(argv)
+    if not opts.out:
+        raise FlagError("prune needs --out DIR: where to write the pruned student")
+    for flag in ("prune_num_layers", "prune_num_experts", "prune_ffn_hidden_size", "prune_calib_samples"):
+        value = getattr(opts, flag)
+        if value is not None and value < 1:
+            raise FlagError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if opts.prune_num_layers is None and opts.prune_num_experts is None and opts.prune_ffn_hidden_size is None:
+        raise FlagError("prune needs a target: --prune-num-layers, --prune-num-experts or --prune-ffn-hidden-size")
+    return opts, rest
+
+
+def layer_group_size(args) -> int:
+    """Layers dropped together: GPT-OSS's window / full-attention pairs (``--window-attn-skip-freq 2``)."""
+    freq = getattr(args, "window_attn_skip_freq", None)
+    return freq if isinstance(freq, int) and args.window_size is not None else 1
+
+
+def student_flags(args, opts) -> list[str]:
+    """The flags that change from the teacher's to build the pruned student."""
+    flags = []
+    for flag, value in (("--num-layers", opts.prune_num_layers), ("--num-experts", opts.prune_num_experts),
+                        ("--ffn-hidden-size", opts.prune_ffn_hidden_size)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags + ["--kd-student-hf", opts.out]
+
+
+def main(argv: list[str]) -> int:
+    from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
+    from megatron.training import print_rank_0
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import get_model, get_train_valid_test_num_samples
+
+    from megatron_kd.megatron.packing import DocumentPacking
+    from megatron_kd.megatron.train import build_datasets, check_megatron_run, model_provider, parse_megatron_args
+    from megatron_kd.models.hf import init_from_hf
+    from megatron_kd.prune import PruneTargets, calibrate, choose_kept, write_pruned_hf
+    from megatron_kd.teacher.sources import MegatronTeacher
+
+    opts, megatron_argv = prune_options(argv)
+    defaults = {"no_load_optim": True, "no_load_rng": True}
+    check_megatron_run(megatron_argv, "prune", defaults)  # every mistake before start-up, CUDA included
+    args = parse_megatron_args(megatron_argv, defaults)
+    if not args.kd_teacher_hf:
+        raise FlagError("prune cuts a Hugging Face teacher: --kd-teacher-hf DIR (its model flags as for cache build)")
+    if args.pipeline_model_parallel_size > 1:
+        raise FlagError("prune runs the teacher with --pipeline-model-parallel-size 1 (use tensor / expert "
+                        "parallelism to fit it)")
+    initialize_megatron()
+    (train, _, _), tokenizer = build_datasets(list(get_train_valid_test_num_samples()),
+                                              is_built_on_rank=lambda *a, **k: True)
+    model = get_model(model_provider, wrap_with_ddp=False)
+    init_from_hf(unwrap_model(model[0]), args.kd_teacher_hf, args)
+    teacher = MegatronTeacher(model[0].eval(), tp_group=parallel_state.get_tensor_model_parallel_group(),
+                              sequence_parallel=args.sequence_parallel,
+                              packing=DocumentPacking.from_args(args, eod=tokenizer.eod))
+    scores = calibrate(teacher, train, num_samples=min(opts.prune_calib_samples, len(train)),
+                       micro_batch_size=args.micro_batch_size, group_size=layer_group_size(args),
+                       dp_rank=parallel_state.get_data_parallel_rank(),
+                       dp_size=parallel_state.get_data_parallel_world_size(),
+                       dp_group=parallel_state.get_data_parallel_group())
+    targets = PruneTargets(num_layers=opts.prune_num_layers, num_experts=opts.prune_num_experts,
+                           ffn_hidden_size=opts.prune_ffn_hidden_size)
+    kept = choose_kept(scores, targets, num_layers=args.num_layers, num_experts=args.num_experts,
+                       ffn_hidden_size=args.ffn_hidden_size, experts_per_token=args.moe_router_topk)
+    if torch_rank() == 0:
+        write_pruned_hf(args.kd_teacher_hf, opts.out, kept)
+    print_rank_0(f"pruned {args.kd_teacher_hf} -> {opts.out} ({scores.tokens} calibration tokens): layers "
+                 f"{kept.layers}; the student run: the teacher's model flags + {' '.join(student_flags(args, opts))}")
+    return 0
+
+
+def torch_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -1,0 +1,119 @@
+"""A pruned student written as a Hugging Face directory: the teacher's tensors, cut.
+
+The cuts are row and column selections on the teacher's own tensors, read and written one
+safetensors file at a time (a 120B teacher never sits in memory whole), so every kept weight is the
+teacher's bit for bit, in whatever layout the teacher has (GPT-OSS's MXFP4 experts stay MXFP4:
+experts are cut along their leading dimension only). The student then starts a run through
+``--kd-student-hf`` like any checkpoint.
+
+| part     | GPT-OSS tensors (per layer)                                   | Llama / Qwen3 tensors (per layer)         |
+|----------|---------------------------------------------------------------|-------------------------------------------|
+| layers   | ``model.layers.{i}.*`` renumbered, ``layer_types`` cut          | the same                                   |
+| experts  | ``mlp.router.{weight,bias}`` rows, ``mlp.experts.*`` [E, ...]   | —                                         |
+| FFN      | —                                                             | ``mlp.{gate,up}_proj`` rows, ``mlp.down_proj`` columns |
+
+config.json gets the student's ``num_hidden_layers``, ``layer_types``, ``num_local_experts`` and
+``intermediate_size``; the tokenizer and generation files are copied; ``prune.json`` records the
+scores and the kept indices.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from megatron_kd.prune.cuts import KeptParts, PruneError
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# files of a Hugging Face directory that are not weights and describe the same model after the cuts
+_COPIED = ("tokenizer", "special_tokens", "chat_template", "generation_config", "vocab", "merges")
+
+
+def _cut(name: str, t: torch.Tensor, experts: list[int] | None, ffn: list[int] | None) -> torch.Tensor:
+    """The part of one layer's tensor (``name`` after ``model.layers.{i}.``) the student keeps."""
+    if experts is not None and (name.startswith("mlp.experts.") or name.startswith("mlp.router.")):
+        return t.index_select(0, torch.tensor(experts)).contiguous()
+    if ffn is not None:
+        if name.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
+            return t.index_select(0, torch.tensor(ffn)).contiguous()
+        if name == "mlp.down_proj.weight":
+            return t.index_select(1, torch.tensor(ffn)).contiguous()
+        if name.startswith("mlp.experts."):
+            raise PruneError("expert FFN widths are not pruned yet: prune experts and layers of MoE teachers")
+    return t
+
+
+def pruned_state(tensors: dict[str, torch.Tensor], kept: KeptParts) -> dict[str, torch.Tensor]:
+    """The student's tensors from (part of) the teacher's, by Hugging Face name."""
+    new_index = {old: new for new, old in enumerate(kept.layers)}
+    out = {}
+    for name, t in tensors.items():
+        m = _LAYER.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        old, rest = int(m.group(1)), m.group(2)
+        if old not in new_index:
+            continue
+        new = new_index[old]
+        experts = kept.experts[new] if kept.experts is not None else None
+        ffn = kept.ffn[new] if kept.ffn is not None else None
+        out[f"model.layers.{new}.{rest}"] = _cut(rest, t, experts, ffn)
+    return out
+
+
+def pruned_config(config: dict, kept: KeptParts) -> dict:
+    """The student's config.json from the teacher's."""
+    config = json.loads(json.dumps(config))
+    text = config.get("text_config", config)
+    if max(kept.layers) >= text["num_hidden_layers"]:
+        raise PruneError(f"kept layer {max(kept.layers)} is beyond the teacher's {text['num_hidden_layers']}")
+    text["num_hidden_layers"] = len(kept.layers)
+    if text.get("layer_types"):
+        text["layer_types"] = [text["layer_types"][i] for i in kept.layers]
+    if kept.experts is not None:
+        sizes = {len(e) for e in kept.experts}
+        if len(sizes) != 1:
+            raise PruneError(f"every layer keeps the same number of experts, got {sorted(sizes)}")
+        text["num_local_experts"] = sizes.pop()
+    if kept.ffn is not None:
+        sizes = {len(f) for f in kept.ffn}
+        if len(sizes) != 1:
+            raise PruneError(f"every layer keeps the same FFN width, got {sorted(sizes)}")
+        text["intermediate_size"] = sizes.pop()
+    return config
+
+
+def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptParts) -> Path:
+    """Write the student (``kept`` parts of ``teacher_dir``'s model) into ``out_dir``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    teacher_dir, out_dir = Path(teacher_dir), Path(out_dir)
+    files = sorted(teacher_dir.glob("*.safetensors"))
+    if not files:
+        raise PruneError(f"{teacher_dir}: no *.safetensors files (the teacher's Hugging Face weights)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            metadata = st.metadata() or {"format": "pt"}
+            part = pruned_state({k: st.get_tensor(k) for k in st.keys()}, kept)
+        if part:
+            save_file(part, str(out_dir / f.name), metadata=metadata)
+            weight_map.update({k: f.name for k in part})
+            total += sum(t.numel() * t.element_size() for t in part.values())
+    if (teacher_dir / "model.safetensors.index.json").is_file():
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = pruned_config(json.loads((teacher_dir / "config.json").read_text()), kept)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for f in teacher_dir.iterdir():
+        if f.is_file() and f.name.startswith(_COPIED):
+            shutil.copy(f, out_dir / f.name)
+    (out_dir / "prune.json").write_text(json.dumps({"teacher": str(teacher_dir), **kept.to_dict()}, indent=1))
+    return out_dir

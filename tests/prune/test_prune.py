@@ -1,0 +1,223 @@
+"""Pruned students: importance scores by hand, cuts that keep the kept parts exact, and the whole
+calibration -> cuts -> student path on a Megatron GPT-OSS teacher.
+
+1. block influence, routing mass and channel norms of a hand-built two-layer stack are the numbers
+   worked out below; the kept indices follow the scores, ties to the lower index
+2. cuts that keep everything give back the teacher's tensors and config, bit for bit
+3. each cut computes what the teacher computes with the cut part switched off (transformers, fp32):
+   experts pruned = the teacher with those experts' router logits at -1e4 (never in a top-k);
+   layers pruned = the teacher with those layers taken out; FFN channels pruned = the teacher with
+   those channels' down_proj columns zeroed
+4. a Megatron GPT-OSS teacher's calibration pass, the cuts it chooses and the student Megatron
+   builds from the pruned directory with the student's flags, against transformers on that directory
+"""
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
+from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
+from hf_equality import build_student, megatron_logits, reference_logits, safetensors_of  # noqa: E402
+from kd_inputs import rel_err  # noqa: E402
+from tiny_gpt_oss import SEQ as GPT_OSS_SEQ  # noqa: E402
+from tiny_gpt_oss import TOKENIZER_TOKENS, make_tiny_gpt_oss, tiny_flags  # noqa: E402
+from tiny_llama import make_tiny  # noqa: E402
+
+from megatron_kd.prune import ImportanceCollector, KeptParts, PruneError, PruneTargets, choose_kept, write_pruned_hf
+
+TOL = 1e-5  # fp32: the same tensors through the same transformers code, ordered differently
+
+
+# ------------------------------------------------------------------------------------- 1. by hand
+class _Router(nn.Module):
+    def __init__(self, probs):
+        super().__init__()
+        self.probs = probs
+
+    def forward(self, x):
+        return self.probs, self.probs > 0
+
+
+class _Layer(nn.Module):
+    """out = hidden @ turn; a MoE layer (router with fixed probs) or a dense one (linear_fc2 fed
+    with fixed activations)."""
+
+    def __init__(self, turn, probs=None, act=None):
+        super().__init__()
+        self.turn, self.act = turn, act
+        self.mlp = nn.Module()
+        if probs is not None:
+            self.mlp.router = _Router(probs)
+        else:
+            self.mlp.linear_fc2 = nn.Linear(act.shape[-1], 2, bias=False)
+
+    def forward(self, hidden_states):
+        if hasattr(self.mlp, "router"):
+            self.mlp.router(hidden_states)
+        else:
+            self.mlp.linear_fc2(self.act)
+        return hidden_states @ self.turn, None
+
+
+def _stack(layers):
+    model = nn.Module()
+    model.decoder = nn.Module()
+    model.decoder.layers = nn.ModuleList(layers)
+    return model
+
+
+def _run(model, hidden):
+    for layer in model.decoder.layers:
+        hidden = layer(hidden_states=hidden)[0]
+
+
+def test_scores_and_choices_by_hand():
+    rot90 = torch.tensor([[0.0, 1.0], [-1.0, 0.0]])
+    shear = torch.tensor([[1.0, 1.0], [0.0, 1.0]])
+    # tokens [1, 0] and [0, 1]; layer 0 turns them by 90° into [0, 1], [-1, 0]: cos 0 and 0 -> influence 1;
+    # layer 1 shears those into [0, 1], [-1, -1]: cos 1 and 1/√2 -> 1 - (1 + 1/√2)/2
+    hidden = torch.eye(2)
+    probs = [torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.5, 0.5]]), torch.tensor([[0.0, 0.2, 0.8], [0.4, 0.6, 0.0]])]
+    model = _stack([_Layer(rot90, probs=probs[0]), _Layer(shear, probs=probs[1])])
+    with ImportanceCollector(model) as collector:
+        _run(model, hidden)
+        _run(model, hidden)  # two passes: sums of both, the same means
+    scores = collector.scores()
+    assert scores.tokens == 4
+    torch.testing.assert_close(scores.layer_groups, torch.tensor([1.0, 1 - (1 + 1 / math.sqrt(2)) / 2],
+                                                                 dtype=torch.float64))
+    torch.testing.assert_close(scores.experts, 2 * torch.tensor([[0.7, 0.8, 0.5], [0.4, 0.8, 0.8]],
+                                                                dtype=torch.float64))
+    assert scores.ffn is None
+    # pairs: cos(in of layer 0, out of layer 1): [1,0] -> [0,1] -> [0,1]: 0; [0,1] -> [-1,0] -> [-1,-1]: -1/√2
+    with ImportanceCollector(model, group_size=2) as paired:
+        _run(model, hidden)
+    torch.testing.assert_close(paired.scores().layer_groups, torch.tensor([1 + 1 / (2 * math.sqrt(2))],
+                                                                          dtype=torch.float64))
+
+    kept = choose_kept(scores, PruneTargets(num_layers=1, num_experts=2), num_layers=2, num_experts=3,
+                       ffn_hidden_size=None, experts_per_token=2)
+    assert kept.layers == [0]  # the 90° turn matters more than the shear
+    assert kept.experts == [[0, 1]]  # layer 0: masses 1.4, 1.6, 1.0
+    kept = choose_kept(scores, PruneTargets(num_experts=2), num_layers=2, num_experts=3, ffn_hidden_size=None)
+    assert kept.experts == [[0, 1], [1, 2]]  # layer 1: 0.8, 1.6, 1.6: the tie at 1.6 keeps both, 0 goes
+
+    act = torch.tensor([[[1.0, 2.0, 0.0]], [[-2.0, 0.0, 3.0]]])  # [s, b, F]: channel norms √5, 2, 3
+    dense = _stack([_Layer(torch.eye(2), act=act)])
+    with ImportanceCollector(dense) as collector:
+        _run(dense, hidden)
+    scores = collector.scores()
+    torch.testing.assert_close(scores.ffn, torch.tensor([[math.sqrt(5), 2.0, 3.0]], dtype=torch.float64))
+    assert choose_kept(scores, PruneTargets(ffn_hidden_size=2), num_layers=1, num_experts=None,
+                       ffn_hidden_size=3).ffn == [[0, 2]]
+    for targets, match in [(PruneTargets(num_experts=2), "no experts"), (PruneTargets(ffn_hidden_size=4), "between"),
+                           (PruneTargets(num_layers=1), None)]:
+        if match is None:
+            assert choose_kept(scores, targets, num_layers=1, num_experts=None, ffn_hidden_size=3).layers == [0]
+            continue
+        with pytest.raises(PruneError, match=match):
+            choose_kept(scores, targets, num_layers=1, num_experts=None, ffn_hidden_size=3)
+
+
+# ---------------------------------------------------------------------------------- 2., 3. cuts
+def _transformers(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _tokens(seed, seq):
+    return torch.randint(0, TOKENIZER_TOKENS, (2, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_cuts_that_keep_everything_give_back_the_teacher(tmp_path, seed):
+    import json
+
+    teacher = make_tiny_gpt_oss(tmp_path / "teacher", seed=seed)
+    kept = KeptParts(layers=[0, 1], experts=[[0, 1, 2, 3]] * 2)
+    student = write_pruned_hf(teacher, tmp_path / "student", kept)
+    before, after = safetensors_of(teacher), safetensors_of(student)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((student / "config.json").read_text()) == json.loads((teacher / "config.json").read_text())
+    assert (student / "tokenizer.json").is_file() and (student / "prune.json").is_file()
+
+
+def test_pruned_experts_are_the_teacher_with_them_routed_away(tmp_path, seed):
+    teacher_dir = make_tiny_gpt_oss(tmp_path / "teacher", seed=seed)  # 4 experts, top-2
+    kept = KeptParts(layers=[0, 1], experts=[[0, 2, 3], [1, 2, 3]])
+    student = _transformers(write_pruned_hf(teacher_dir, tmp_path / "student", kept))
+    assert student.config.num_local_experts == 3
+    teacher = _transformers(teacher_dir)
+    with torch.no_grad():
+        for layer, keep in zip(teacher.model.layers, kept.experts):
+            gone = [e for e in range(4) if e not in keep]
+            layer.mlp.router.bias[gone] = -1e4  # never among a token's top 2; the softmax is over the chosen
+        tokens = _tokens(seed, GPT_OSS_SEQ)
+        assert rel_err(student(input_ids=tokens).logits, teacher(input_ids=tokens).logits) < TOL
+
+
+def test_pruned_layers_and_channels_are_the_teacher_without_them(tmp_path, seed):
+    teacher_dir = make_tiny("llama", tmp_path / "teacher", seed=seed, num_hidden_layers=4)
+    kept = KeptParts(layers=[0, 2, 3], ffn=[list(range(0, 96, 2)), list(range(48)), list(range(48, 96))])
+    student = _transformers(write_pruned_hf(teacher_dir, tmp_path / "student", kept))
+    assert student.config.num_hidden_layers == 3 and student.config.intermediate_size == 48
+    teacher = _transformers(teacher_dir)
+    with torch.no_grad():
+        teacher.model.layers = nn.ModuleList(teacher.model.layers[i] for i in kept.layers)
+        teacher.config.num_hidden_layers = 3
+        for layer, keep in zip(teacher.model.layers, kept.ffn):
+            gone = [c for c in range(96) if c not in keep]
+            layer.mlp.down_proj.weight[:, gone] = 0.0
+        tokens = _tokens(seed, 64)
+        assert rel_err(student(input_ids=tokens, use_cache=False).logits,
+                       teacher(input_ids=tokens, use_cache=False).logits) < TOL
+    with pytest.raises(PruneError, match="expert FFN widths"):
+        write_pruned_hf(make_tiny_gpt_oss(tmp_path / "moe", seed=seed), tmp_path / "x",
+                        KeptParts(layers=[0, 1], ffn=[[0], [0]]))
+
+
+# ------------------------------------------------------------------------ 4. the whole path on gloo
+def _calibration_worker(rank, world, tmp, seed):
+    from megatron_kd.prune.command import layer_group_size
+    from megatron_kd.prune import calibrate
+    from megatron_kd.teacher.sources import MegatronTeacher
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    with megatron_cpu_patches():
+        teacher_dir = make_tiny_gpt_oss(Path(tmp) / "teacher", seed=seed)
+        args, model = build_student(tiny_flags(teacher_dir))  # the teacher, built as cache build builds it
+        assert layer_group_size(args) == 2  # GPT-OSS: window / full pairs
+        g = torch.Generator().manual_seed(seed)
+        data = [{"tokens": torch.randint(3, TOKENIZER_TOKENS, (GPT_OSS_SEQ,), generator=g),
+                 "position_ids": torch.arange(GPT_OSS_SEQ)} for _ in range(6)]
+        scores = calibrate(MegatronTeacher(model.eval()), data, num_samples=5, micro_batch_size=2, group_size=2,
+                           progress=False)
+        assert scores.tokens == 5 * GPT_OSS_SEQ and scores.experts.shape == (2, 4)
+        # routing mass: each token puts weight 1 on its two experts, in each layer
+        torch.testing.assert_close(scores.experts.sum(1), torch.full((2,), 5.0 * GPT_OSS_SEQ, dtype=torch.float64))
+        kept = choose_kept(scores, PruneTargets(num_experts=2), num_layers=2, num_experts=4, ffn_hidden_size=None,
+                           experts_per_token=2)
+        for i, k in enumerate(kept.experts):  # the two with the most mass, in index order
+            assert k == sorted(sorted(range(4), key=lambda e: (-float(scores.experts[i, e]), e))[:2])
+        write_pruned_hf(teacher_dir, Path(tmp) / "student", kept)
+
+
+def _student_worker(rank, world, tmp, seed):
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    student_dir = Path(tmp) / "student"
+    with megatron_cpu_patches():
+        # the student run: the teacher's flags with the student's sizes and --kd-student-hf
+        _, student = build_student(tiny_flags(student_dir, "--num-experts", "2"))
+        tokens = torch.randint(0, TOKENIZER_TOKENS, (2, GPT_OSS_SEQ), generator=torch.Generator().manual_seed(seed))
+        assert rel_err(megatron_logits(student.eval(), tokens), reference_logits(student_dir, tokens)) < 1e-4
+
+
+def test_calibration_cuts_and_student_on_a_megatron_teacher(tmp_path, seed):
+    spawn(_calibration_worker, str(tmp_path), seed, world_size=1)
+    spawn(_student_worker, str(tmp_path), seed, world_size=1)
