@@ -44,6 +44,7 @@ Methods:
 Shapes (tokens, hidden, vocab):
     h4096-v64k-8k / -32k / -128k / -256k   8192 / 32768 / 131072 / 262144 tokens, h 4096, V 65536
     gptoss-32k                             32768, 2880, 201088 (GPT-OSS)
+    h3072-v128k-8k ... -256k, h4096-...    8K-256K tokens, h 3072 / 4096, V 128,256 (Llama 3 students)
     gptoss-32k-half, h4096-v32k-32k        V halved: the per-rank work of gptoss-32k, h4096-v64k-32k at --tp 2
 
 Flags:
@@ -92,6 +93,8 @@ SHAPES = {  # name: (tokens, hidden, vocab)
     "h4096-v64k-128k": (131072, 4096, 65536),
     "h4096-v64k-256k": (262144, 4096, 65536),
     "gptoss-32k": (32768, 2880, 201088),
+    # Llama 3's vocabulary at a 3B (h 3072) and an 8B (h 4096) student's width
+    **{f"h{h}-v128k-{n}k": (n * 1024, h, 128256) for h in (3072, 4096) for n in (8, 32, 64, 128, 256)},
     "gptoss-32k-half": (32768, 2880, 100544),
     "h4096-v32k-32k": (32768, 4096, 32768),
 }

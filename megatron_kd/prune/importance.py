@@ -60,6 +60,8 @@ class ImportanceCollector:
     """
 
     def __init__(self, model, *, group_size: int = 1, tp_group=None, dp_group=None):
+        while not hasattr(model, "decoder") and hasattr(model, "module"):  # Float16Module, DDP wrappers
+            model = model.module
         layers = list(model.decoder.layers)
         if len(layers) % group_size:
             raise ValueError(f"{len(layers)} layers do not split into groups of {group_size}")
