@@ -136,3 +136,38 @@ def test_flags_describe_the_checkpoint_and_a_different_one_is_refused(kind):
         assert "\n" not in message and message.startswith("ckpt/config.json: ") and field in message, message
     with pytest.raises(ModelConfigError, match="model_type"):
         check_dense_hf_config(tiny_config("qwen3" if kind == "llama" else "llama"), args, source="ckpt")
+
+
+def _recipe_flags(size: str) -> list[str]:
+    import subprocess
+
+    root = Path(__file__).parents[2]
+    script = (f'source "{root}/examples/llama/llama3.sh"; source "{root}/examples/llama/{size}.sh"; '
+              'printf "%s\\n" "${LLAMA3_ARCH[@]}" "${LLAMA3_SIZE[@]}" "${LLAMA3_LAYOUT[@]}"')
+    return subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout.split("\n")[:-1]
+
+
+# the published configs' architecture fields (meta-llama/Llama-3.1-8B and Llama-3.2-3B config.json)
+_PUBLISHED = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               tie_word_embeddings=False, factor=8.0),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               tie_word_embeddings=True, factor=32.0),
+}
+
+
+@pytest.mark.parametrize("size", ["8b", "3b"])
+def test_recipe_is_the_published_llama(size):
+    from transformers import LlamaConfig
+
+    from megatron_kd.megatron.train import parse_flags
+    from megatron_kd.models.llama import check_dense_hf_config
+
+    fields = dict(_PUBLISHED[size])
+    factor = fields.pop("factor")
+    published = LlamaConfig(vocab_size=128256, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                            max_position_embeddings=131072, **fields,
+                            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+                                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             "original_max_position_embeddings": 8192})
+    check_dense_hf_config(published, parse_flags(_recipe_flags(size), prog="test"), source=f"llama-{size}")
