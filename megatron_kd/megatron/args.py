@@ -200,13 +200,15 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--kd-capture-temperature", type=float, default=1.0,
                        help="Teacher pass: temperature of the teacher's softmax at capture (> 0).")
     group.add_argument("--kd-teacher-hf", type=str, default=None,
-                       help="Teacher pass: a local Hugging Face directory to use as the teacher instead of --load. "
-                            "With GPT-OSS model flags it is imported into the Megatron model those flags describe "
-                            "(sharded by tensor / expert parallelism, through nvidia-modelopt); otherwise it runs as "
-                            "a transformers causal LM on each rank.")
+                       help="Teacher pass (and prune): a local Hugging Face directory to use as the teacher instead "
+                            "of --load. With GPT-OSS model flags it is imported into the Megatron model those flags "
+                            "describe (sharded by tensor / expert parallelism, through nvidia-modelopt); otherwise "
+                            "(Llama, Qwen3, any causal LM) the teacher pass runs it as a transformers model on each "
+                            "rank, and prune imports it into the Megatron model its flags describe.")
     group.add_argument("--kd-student-hf", type=str, default=None,
                        help="Initialize the student from a local Hugging Face directory (GPT-OSS: bf16, or MXFP4 "
-                            "experts dequantized) through nvidia-modelopt's importer; it must match the model flags "
+                            "experts dequantized; Llama 3.x; Qwen3) through nvidia-modelopt's importer; it must match "
+                            "the model flags "
                             "(fewer --num-layers take its first layers). Also the default --tokenizer-model. A "
                             "checkpoint in --load takes precedence (resuming).")
     _check_rules_cover(group)
