@@ -32,9 +32,9 @@ setup(
         "tqdm",
         "matplotlib",
         "tensorboard",
-        # Hugging Face weights in and out (GPT-OSS students and teachers); modelopt imports requests
-        # without declaring it
-        "transformers>=4.55",
+        # Hugging Face weights in and out (GPT-OSS, Llama, Qwen3); modelopt imports requests without
+        # declaring it. transformers 5's config API (rope_parameters); tested with 5.17 and 5.24
+        "transformers>=5.17",
         "nvidia-modelopt==0.47.0",
         "requests",
     ],
