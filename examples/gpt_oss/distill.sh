@@ -11,9 +11,9 @@
 # --tokenizer-model says otherwise. GPUS and MASTER_PORT as in launch/torchrun.sh.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-size=${1:?usage: distill.sh 20b|120b [Megatron-LM and --kd-* flags]}
+size=${1:?usage: distill.sh 20b|120b|120b_e64 [Megatron-LM and --kd-* flags]}
 shift
-[ -f "$here/$size.sh" ] || { echo "distill.sh: unknown size '$size' (20b or 120b)" >&2; exit 2; }
+[ -f "$here/$size.sh" ] || { echo "distill.sh: unknown size '$size' (20b, 120b or 120b_e64)" >&2; exit 2; }
 source "$here/gpt_oss.sh"
 source "$here/$size.sh"
 # --kd-tail renorm (the default) with 10% hard-label cross-entropy: the best top-K student in the

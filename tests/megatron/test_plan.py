@@ -25,7 +25,7 @@ from bench_offload import MODEL_FLAGS, OFFLOAD_FLAGS  # noqa: E402
 from tiny_gpt_oss import recipe_flags  # noqa: E402
 
 from megatron_kd.cli import main  # noqa: E402
-from megatron_kd.megatron.plan import GIB, Layout, estimate  # noqa: E402
+from megatron_kd.megatron.plan import GIB, Layout, estimate, plan_args  # noqa: E402
 from megatron_kd.megatron.train import megatron_parser  # noqa: E402
 from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory  # noqa: E402
 
@@ -122,3 +122,18 @@ def test_plan_cli(capsys):
     assert main(["plan", *flags, "--no-optimizer-cpu-offload-flag"]) == 2
     assert main(["plan", "--num-layers", "2"]) == 2
     assert "plan needs" in capsys.readouterr().err
+
+
+def test_pruned_120b_recipe_is_the_layout_plan_search_ranks_first():
+    """examples/gpt_oss/120b_e64.sh (64 of the 120B teacher's 128 experts) fits one node with its
+    optimizer on the GPUs, in the layout --search lists first for its flags."""
+    from megatron_kd.megatron.plan import candidate_layouts, step_cost
+
+    flags = [*recipe_flags("120b_e64"), "--global-batch-size", "16", "--bf16", "--vocab-size", "201088"]
+    args, layout = plan_args(flags, 8)
+    plan = estimate(args, layout, gpus=8)
+    assert args.num_experts == 64 and plan.total < NODE and plan.host_bytes == 0
+    fits = [p for p in (estimate(args, lay, gpus=8) for lay in candidate_layouts(args, 8, local_spec=True))
+            if p.total <= NODE]
+    best = min(fits, key=lambda p: (step_cost(args, p.layout, 8), p.total))
+    assert best.layout == layout, (best.layout.describe(), layout.describe())
