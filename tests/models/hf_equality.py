@@ -43,6 +43,16 @@ def build_student(flags):
     return args, model_provider()
 
 
+def forget_megatron() -> None:
+    """Drop Megatron-LM's global arguments and megatron-core's process groups, so that one process
+    can build another model from other flags (one spawn per case costs ~20 s of imports)."""
+    from megatron.core import parallel_state
+    from megatron.training.global_vars import unset_global_variables
+
+    unset_global_variables()
+    parallel_state.destroy_model_parallel()
+
+
 def safetensors_of(path) -> dict:
     """Every tensor of a Hugging Face directory's safetensors files, by name."""
     from pathlib import Path

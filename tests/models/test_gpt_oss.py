@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from hf_equality import build_student, kd_step, megatron_logits, reference_logits, safetensors_of  # noqa: E402
+from hf_equality import (build_student, forget_megatron, kd_step, megatron_logits, reference_logits,  # noqa: E402
+                         safetensors_of)
 from kd_inputs import rel_err  # noqa: E402
 from tiny_gpt_oss import SEQ, VOCAB_ROWS, make_tiny_gpt_oss, recipe_flags, tiny_flags  # noqa: E402
 
@@ -131,27 +132,28 @@ def test_tiny_gpt_oss_equals_transformers(tmp_path, seed):
     spawn(_tp1_worker, str(tmp_path), seed, world_size=1)
 
 
-def _parallel_worker(rank, world, tmp, seed, parallel_flag):
+def _parallel_worker(rank, world, tmp, seed):
     from megatron.core import parallel_state
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
     hf_dir = Path(tmp) / "hf"
-    with megatron_cpu_patches():
-        if rank == 0:
-            make_tiny_gpt_oss(hf_dir, seed=seed)
-        torch.distributed.barrier()
-        args, model = _build_student(hf_dir, parallel_flag, str(world))
-        tokens = torch.randint(0, 990, (2, SEQ), generator=torch.Generator().manual_seed(seed))
-        want = reference_logits(hf_dir, tokens)
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        # megatron-core refuses MoE in training mode under TP without sequence parallelism, which its
-        # local spec lacks (no TE norm); with dropout 0, eval mode computes the same loss and gradients
-        model.train(tp_group.size() == 1)
-        assert rel_err(megatron_logits(model, tokens, tp_group), want) < TOL
-        kd_step(model, tp_group, seed, SEQ, experts=True)
+    # TP 2, then EP 2, in one process (each spawn costs ~20 s of imports)
+    for parallel_flag in ("--tensor-model-parallel-size", "--expert-model-parallel-size"):
+        with megatron_cpu_patches():
+            if rank == 0 and not hf_dir.exists():
+                make_tiny_gpt_oss(hf_dir, seed=seed)
+            torch.distributed.barrier()
+            args, model = _build_student(hf_dir, parallel_flag, str(world))
+            tokens = torch.randint(0, 990, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+            want = reference_logits(hf_dir, tokens)
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            # megatron-core refuses MoE in training mode under TP without sequence parallelism, which its
+            # local spec lacks (no TE norm); with dropout 0, eval mode computes the same loss and gradients
+            model.train(tp_group.size() == 1)
+            assert rel_err(megatron_logits(model, tokens, tp_group), want) < TOL, parallel_flag
+            kd_step(model, tp_group, seed, SEQ, experts=True)
+        forget_megatron()
 
 
-@pytest.mark.parametrize("parallel_flag", ["--tensor-model-parallel-size", "--expert-model-parallel-size"],
-                         ids=["tp2", "ep2"])
-def test_tiny_gpt_oss_parallel_equals_transformers(tmp_path, seed, parallel_flag):
-    spawn(_parallel_worker, str(tmp_path), seed, parallel_flag, world_size=2)
+def test_tiny_gpt_oss_tp2_and_ep2_equal_transformers(tmp_path, seed):
+    spawn(_parallel_worker, str(tmp_path), seed, world_size=2)

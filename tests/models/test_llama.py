@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from hf_equality import build_student, kd_step, megatron_logits, reference_logits, safetensors_of  # noqa: E402
+from hf_equality import (build_student, forget_megatron, kd_step, megatron_logits, reference_logits,  # noqa: E402
+                         safetensors_of)
 from kd_inputs import rel_err  # noqa: E402
 from tiny_gpt_oss import TOKENIZER_TOKENS, VOCAB_ROWS  # noqa: E402
 from tiny_llama import KINDS, SEQ, make_tiny, tiny_config, tiny_flags  # noqa: E402
@@ -72,44 +73,47 @@ def _export_round_trip(args, model, hf_dir, out_dir, tokens, want):
     assert rel_err(reference_logits(out_dir, tokens), want) < TOL
 
 
-def _tp1_worker(rank, world, tmp, kind, seed):
+def _tp1_worker(rank, world, tmp, seed):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    with megatron_cpu_patches():
-        hf_dir = make_tiny(kind, Path(tmp) / "hf", seed=seed)
-        args, model = build_student(tiny_flags(hf_dir))
-        assert args.padded_vocab_size == VOCAB_ROWS  # tokenizer 990 (padded 992) < the checkpoint's 1000 rows
-        tokens = _tokens(seed)
-        want = reference_logits(hf_dir, tokens)
-        assert rel_err(megatron_logits(model.eval(), tokens), want) < TOL
-        _controls(kind, args, hf_dir, tokens, want)
-        _export_round_trip(args, model, hf_dir, Path(tmp) / "exported", tokens, want)
-        kd_step(model.train(), None, seed, SEQ, experts=False)
+    for kind in KINDS:  # one process for both: each spawn costs ~20 s of imports
+        with megatron_cpu_patches():
+            hf_dir = make_tiny(kind, Path(tmp) / kind / "hf", seed=seed)
+            args, model = build_student(tiny_flags(hf_dir))
+            assert args.padded_vocab_size == VOCAB_ROWS  # tokenizer 990 (padded 992) < the checkpoint's 1000 rows
+            tokens = _tokens(seed)
+            want = reference_logits(hf_dir, tokens)
+            assert rel_err(megatron_logits(model.eval(), tokens), want) < TOL, kind
+            _controls(kind, args, hf_dir, tokens, want)
+            _export_round_trip(args, model, hf_dir, Path(tmp) / kind / "exported", tokens, want)
+            kd_step(model.train(), None, seed, SEQ, experts=False)
+        forget_megatron()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tiny_model_equals_transformers(tmp_path, seed, kind):
-    spawn(_tp1_worker, str(tmp_path), kind, seed, world_size=1)
+def test_tiny_llama_and_qwen3_equal_transformers(tmp_path, seed):
+    spawn(_tp1_worker, str(tmp_path), seed, world_size=1)
 
 
-def _tp2_worker(rank, world, tmp, kind, seed):
+def _tp2_worker(rank, world, tmp, seed):
     from megatron.core import parallel_state
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
-    hf_dir = Path(tmp) / "hf"
-    with megatron_cpu_patches():
-        if rank == 0:
-            make_tiny(kind, hf_dir, seed=seed)
-        torch.distributed.barrier()
-        args, model = build_student(tiny_flags(hf_dir, "--tensor-model-parallel-size", str(world)))
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        tokens = _tokens(seed)
-        assert rel_err(megatron_logits(model.eval(), tokens, tp_group), reference_logits(hf_dir, tokens)) < TOL
-        kd_step(model.train(), tp_group, seed, SEQ, experts=False)
+    for kind in KINDS:
+        hf_dir = Path(tmp) / kind / "hf"
+        with megatron_cpu_patches():
+            if rank == 0:
+                make_tiny(kind, hf_dir, seed=seed)
+            torch.distributed.barrier()
+            args, model = build_student(tiny_flags(hf_dir, "--tensor-model-parallel-size", str(world)))
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            tokens = _tokens(seed)
+            want = reference_logits(hf_dir, tokens)
+            assert rel_err(megatron_logits(model.eval(), tokens, tp_group), want) < TOL, kind
+            kd_step(model.train(), tp_group, seed, SEQ, experts=False)
+        forget_megatron()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tiny_model_tensor_parallel_equals_transformers(tmp_path, seed, kind):
-    spawn(_tp2_worker, str(tmp_path), kind, seed, world_size=2)
+def test_tiny_llama_and_qwen3_tensor_parallel_equal_transformers(tmp_path, seed):
+    spawn(_tp2_worker, str(tmp_path), seed, world_size=2)
 
 
 @pytest.mark.parametrize("kind", KINDS)

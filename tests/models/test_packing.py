@@ -249,54 +249,56 @@ def _rotary_rows(model):
     return seen, handle
 
 
-def _definition_worker(rank, world, tmp, seed, parallel_flags):
+def _definition_worker(rank, world, tmp, seed):
     from megatron.core import parallel_state
     from megatron.training import get_tokenizer
 
+    from hf_equality import forget_megatron
     from test_gpt_oss import _build_student
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
     hf_dir = Path(tmp) / "hf"
-    with megatron_cpu_patches():
-        if rank == 0:
-            make_tiny_gpt_oss(hf_dir, seed=seed)
-        torch.distributed.barrier()
-        args, model = _build_student(hf_dir, "--reset-attention-mask", "--reset-position-ids", *parallel_flags)
-        model.eval()
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        eod = get_tokenizer().eod
-        assert eod == EOD  # the tiny tokenizer's <eos>
-        packing = DocumentPacking.from_args(args, eod=eod)
-        assert packing.mode == "documents+positions" and not packing.thd
-        # window of 8 keys: documents of 1, 5 and 3 tokens (shorter), 13, 20 and 9 (longer); a last
-        # document cut by the sample's end, and one ending with its EOD on the sample's last token
-        lengths = [[5, 13, 1, -13], [20, 3, 9]]
-        tokens = packed_tokens(lengths, generator=torch.Generator().manual_seed(seed))
-        assert tokens.shape == (2, SEQ)
-        _, packed = packing.apply({"tokens": tokens})
-        seen, handle = _rotary_rows(model)
-        logits = _logits(model, tokens, packed, tp_group)
-        packed_rows = seen.pop()
-        alone = torch.empty_like(logits)
-        later = torch.zeros(tokens.shape, dtype=torch.bool)  # documents after a sample's first
-        for row, layout in enumerate(lengths):
-            for a, z in spans(layout):
-                alone[row, a:z] = _logits(model, tokens[row:row + 1, a:z], None, tp_group)[0]
-                assert torch.equal(packed_rows[a:z, row], seen.pop()[:, 0])  # rows of positions 0 .. z-a-1
-                later[row, a:z] = a > 0
-        handle.remove()
-        assert rel_err(logits, alone) < 1e-4
-        crossing = _logits(model, tokens, None, tp_group)
-        assert rel_err(crossing[later], alone[later]) > 1e-2, "without packing the later documents must differ"
-        _, positions_only = DocumentPacking(positions=True, eod=eod).apply({"tokens": tokens})
-        assert positions_only.documents is None
-        assert rel_err(_logits(model, tokens, positions_only, tp_group)[later], alone[later]) > 1e-2
+    # TP 2, then EP 2, in one process (each spawn costs ~20 s of imports)
+    for parallel_flags in (("--tensor-model-parallel-size", "2"), ("--expert-model-parallel-size", "2")):
+        with megatron_cpu_patches():
+            if rank == 0 and not hf_dir.exists():
+                make_tiny_gpt_oss(hf_dir, seed=seed)
+            torch.distributed.barrier()
+            args, model = _build_student(hf_dir, "--reset-attention-mask", "--reset-position-ids", *parallel_flags)
+            model.eval()
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            eod = get_tokenizer().eod
+            assert eod == EOD  # the tiny tokenizer's <eos>
+            packing = DocumentPacking.from_args(args, eod=eod)
+            assert packing.mode == "documents+positions" and not packing.thd
+            # window of 8 keys: documents of 1, 5 and 3 tokens (shorter), 13, 20 and 9 (longer); a last
+            # document cut by the sample's end, and one ending with its EOD on the sample's last token
+            lengths = [[5, 13, 1, -13], [20, 3, 9]]
+            tokens = packed_tokens(lengths, generator=torch.Generator().manual_seed(seed))
+            assert tokens.shape == (2, SEQ)
+            _, packed = packing.apply({"tokens": tokens})
+            seen, handle = _rotary_rows(model)
+            logits = _logits(model, tokens, packed, tp_group)
+            packed_rows = seen.pop()
+            alone = torch.empty_like(logits)
+            later = torch.zeros(tokens.shape, dtype=torch.bool)  # documents after a sample's first
+            for row, layout in enumerate(lengths):
+                for a, z in spans(layout):
+                    alone[row, a:z] = _logits(model, tokens[row:row + 1, a:z], None, tp_group)[0]
+                    assert torch.equal(packed_rows[a:z, row], seen.pop()[:, 0])  # rows of positions 0 .. z-a-1
+                    later[row, a:z] = a > 0
+            handle.remove()
+            assert rel_err(logits, alone) < 1e-4
+            crossing = _logits(model, tokens, None, tp_group)
+            assert rel_err(crossing[later], alone[later]) > 1e-2, "without packing the later documents must differ"
+            _, positions_only = DocumentPacking(positions=True, eod=eod).apply({"tokens": tokens})
+            assert positions_only.documents is None
+            assert rel_err(_logits(model, tokens, positions_only, tp_group)[later], alone[later]) > 1e-2
+        forget_megatron()
 
 
-@pytest.mark.parametrize("parallel_flag", ["--tensor-model-parallel-size", "--expert-model-parallel-size"],
-                         ids=["tp2", "ep2"])
-def test_packed_logits_equal_each_document_alone(tmp_path, seed, parallel_flag):
-    spawn(_definition_worker, str(tmp_path), seed, (parallel_flag, "2"), world_size=2)
+def test_packed_logits_equal_each_document_alone_tp2_and_ep2(tmp_path, seed):
+    spawn(_definition_worker, str(tmp_path), seed, world_size=2)
 
 
 # ---------------------------------------------------------------------------- 5. modes and refusals

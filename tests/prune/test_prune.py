@@ -23,7 +23,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from hf_equality import build_student, megatron_logits, reference_logits, safetensors_of  # noqa: E402
+from hf_equality import build_student, forget_megatron, megatron_logits, reference_logits, safetensors_of  # noqa: E402
 from kd_inputs import rel_err  # noqa: E402
 from tiny_gpt_oss import SEQ as GPT_OSS_SEQ  # noqa: E402
 from tiny_gpt_oss import TOKENIZER_TOKENS, make_tiny_gpt_oss, tiny_flags  # noqa: E402
@@ -184,8 +184,8 @@ def test_pruned_layers_and_channels_are_the_teacher_without_them(tmp_path, seed)
 
 # ------------------------------------------------------------------------ 4. the whole path on gloo
 def _calibration_worker(rank, world, tmp, seed):
-    from megatron_kd.prune.command import layer_group_size
     from megatron_kd.prune import calibrate
+    from megatron_kd.prune.command import layer_group_size
     from megatron_kd.teacher.sources import MegatronTeacher
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -205,12 +205,8 @@ def _calibration_worker(rank, world, tmp, seed):
                            experts_per_token=2)
         for i, k in enumerate(kept.experts):  # the two with the most mass, in index order
             assert k == sorted(sorted(range(4), key=lambda e: (-float(scores.experts[i, e]), e))[:2])
-        write_pruned_hf(teacher_dir, Path(tmp) / "student", kept)
-
-
-def _student_worker(rank, world, tmp, seed):
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    student_dir = Path(tmp) / "student"
+        student_dir = write_pruned_hf(teacher_dir, Path(tmp) / "student", kept)
+    forget_megatron()
     with megatron_cpu_patches():
         # the student run: the teacher's flags with the student's sizes and --kd-student-hf
         _, student = build_student(tiny_flags(student_dir, "--num-experts", "2"))
@@ -220,4 +216,3 @@ def _student_worker(rank, world, tmp, seed):
 
 def test_calibration_cuts_and_student_on_a_megatron_teacher(tmp_path, seed):
     spawn(_calibration_worker, str(tmp_path), seed, world_size=1)
-    spawn(_student_worker, str(tmp_path), seed, world_size=1)
