@@ -176,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=_cmd_plan)
 
     export = commands.add_parser("export-hf", help="Write a student checkpoint as a Hugging Face directory "
-                                                   "(GPT-OSS, Llama, Qwen3; torchrun, 1 GPU): the student's model flags, "
+                                                   "(GPT-OSS, Llama, Qwen3; torchrun, 1 GPU): the student's model "
+                                                   "flags, "
                                                    "--load CKPT and --out DIR.", add_help=False)
     export.add_argument("megatron_args", nargs=argparse.REMAINDER)
     export.set_defaults(func=_cmd_export_hf)

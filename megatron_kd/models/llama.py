@@ -97,7 +97,8 @@ def check_dense_hf_config(hf_config, args, *, source: str) -> None:
     for field in fields:
         theirs = getattr(hf_config, field, None)
         if theirs != getattr(ours, field):
-            raise ModelConfigError(f"{source}/config.json: {field} is {theirs!r}, the flags give {getattr(ours, field)!r}")
+            raise ModelConfigError(f"{source}/config.json: {field} is {theirs!r}, the flags give "
+                                   f"{getattr(ours, field)!r}")
     if hf_config.num_hidden_layers < ours.num_hidden_layers:
         raise ModelConfigError(f"{source}/config.json: num_hidden_layers is {hf_config.num_hidden_layers}, "
                                f"--num-layers asks for {ours.num_hidden_layers}")

@@ -6,11 +6,11 @@ teacher's bit for bit, in whatever layout the teacher has (GPT-OSS's MXFP4 exper
 experts are cut along their leading dimension only). The student then starts a run through
 ``--kd-student-hf`` like any checkpoint.
 
-| part     | GPT-OSS tensors (per layer)                                   | Llama / Qwen3 tensors (per layer)         |
-|----------|---------------------------------------------------------------|-------------------------------------------|
-| layers   | ``model.layers.{i}.*`` renumbered, ``layer_types`` cut          | the same                                   |
-| experts  | ``mlp.router.{weight,bias}`` rows, ``mlp.experts.*`` [E, ...]   | —                                         |
-| FFN      | —                                                             | ``mlp.{gate,up}_proj`` rows, ``mlp.down_proj`` columns |
+- layers: ``model.layers.{i}.*`` renumbered, config.json's ``layer_types`` cut;
+- experts (GPT-OSS): ``mlp.router.{weight,bias}`` rows and every ``mlp.experts.*`` tensor along
+  its leading (expert) dimension;
+- FFN channels (Llama, Qwen3): rows of ``mlp.gate_proj`` and ``mlp.up_proj``, columns of
+  ``mlp.down_proj``.
 
 config.json gets the student's ``num_hidden_layers``, ``layer_types``, ``num_local_experts`` and
 ``intermediate_size``; the tokenizer and generation files are copied; ``prune.json`` records the
