@@ -8,6 +8,12 @@ export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 # what torchrun sets when it is unset, without its banner saying so
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# torch.compile's and Triton's caches (the compiled attention, activation and optimizer kernels)
+# where a restart finds them: their defaults (/tmp/torchinductor_$USER, ~/.triton) vanish with a
+# container, and a cold start recompiles for minutes. MEGATRON_KD_CACHE_HOME moves both.
+_kd_cache=${MEGATRON_KD_CACHE_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron_kd}
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$_kd_cache/inductor}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$_kd_cache/triton}
 # torchrun (torch.distributed.run), quiet about what the ranks report themselves: when the first rank
 # to fail stopped on a user mistake (exit status 2, its one line printed), torchrun's failure report
 # and its "Sending process ... closing signal" notices are left out and it exits 2. Any other
