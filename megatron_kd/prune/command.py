@@ -75,17 +75,18 @@ def main(argv: list[str]) -> int:
     from megatron.training.training import get_model, get_train_valid_test_num_samples
 
     from megatron_kd.megatron.packing import DocumentPacking
-    from megatron_kd.megatron.train import build_datasets, check_megatron_run, model_provider, parse_megatron_args
+    from megatron_kd.megatron.train import (build_datasets, check_megatron_flags, check_megatron_run, model_provider,
+                                            parse_megatron_args)
     from megatron_kd.models.hf import init_from_hf
     from megatron_kd.prune import PruneTargets, calibrate, choose_kept, write_pruned_hf
     from megatron_kd.teacher.sources import MegatronTeacher
 
     opts, megatron_argv = prune_options(argv)
+    if not check_megatron_flags(megatron_argv).kd_teacher_hf:
+        raise FlagError("prune cuts a Hugging Face teacher: --kd-teacher-hf DIR (its model flags as for cache build)")
     defaults = {"no_load_optim": True, "no_load_rng": True}
     check_megatron_run(megatron_argv, "prune", defaults)  # every mistake before start-up, CUDA included
     args = parse_megatron_args(megatron_argv, defaults)
-    if not args.kd_teacher_hf:
-        raise FlagError("prune cuts a Hugging Face teacher: --kd-teacher-hf DIR (its model flags as for cache build)")
     if args.pipeline_model_parallel_size > 1:
         raise FlagError("prune runs the teacher with --pipeline-model-parallel-size 1 (use tensor / expert "
                         "parallelism to fit it)")

@@ -216,3 +216,28 @@ def _calibration_worker(rank, world, tmp, seed):
 
 def test_calibration_cuts_and_student_on_a_megatron_teacher(tmp_path, seed):
     spawn(_calibration_worker, str(tmp_path), seed, world_size=1)
+
+
+def test_prune_command_mistakes_are_one_line(tmp_path, capsys):
+    from megatron_kd.cli import main
+
+    hf_dir = make_tiny_gpt_oss(tmp_path / "hf")
+    flags = tiny_flags(hf_dir)
+    i = flags.index("--kd-student-hf")
+    no_teacher = [*flags[:i], *flags[i + 2:], "--tokenizer-model", str(hf_dir)]
+
+    assert main(["prune", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(flag in out for flag in ("--prune-num-experts", "--prune-num-layers", "--prune-ffn-hidden-size",
+                                        "--prune-calib-samples", "--out"))
+    for argv, message in [
+        (["--prune-num-experts", "2"], "prune needs --out DIR"),
+        (["--out", "x"], "prune needs a target"),
+        (["--out", "x", "--prune-num-layers", "0"], "--prune-num-layers must be >= 1, got 0"),
+        (["--out", "x", "--prune-num-experts", "two"], "--prune-num-experts: invalid int value"),
+        (["--out", "x", "--prune-num-experts", "2", "--num-layers", "2"], "missing required flags: --hidden-size"),
+        (["--out", "x", "--prune-num-experts", "2", *no_teacher], "prune cuts a Hugging Face teacher: --kd-teacher-hf"),
+    ]:
+        assert main(["prune", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("megatron-kd: error: ") and message in err and "\n" not in err, err
