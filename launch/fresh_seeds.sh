@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The numerics tests on fresh random inputs: RUNS runs (default 5), each with a seed drawn from the
-# OS, over the tests whose inputs are random draws (ops, models, optim, the cache codecs). CI runs
+# OS, over the tests whose inputs are random draws (ops, models, optim, prune, the cache codecs). CI runs
 # one fixed seed (tests/conftest.py: CI_SEED) so that it passes or fails by the code alone; this is
 # where precision defects that only some inputs show are found. Run it before landing a change to
 # the numerics; a failure prints the line that replays it, and is fixed at its cause.
@@ -13,7 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash launch/setup.sh >/dev/null || exit 2
 runs=${1:-5}
 shift $(( $# > 0 ? 1 : 0 ))
-tests=(tests/ops tests/models tests/optim tests/cache/test_codecs.py tests/cache/test_encodings_topk_v3.py)
+tests=(tests/ops tests/models tests/optim tests/prune tests/cache/test_codecs.py tests/cache/test_encodings_topk_v3.py)
 [ $# -gt 0 ] && [[ "$1" != -* ]] && tests=()  # paths given: those instead
 logs=runs/fresh-seeds
 mkdir -p "$logs"
