@@ -6,6 +6,7 @@
     megatron-kd export-hf <model flags> --load CKPT --out DIR       student checkpoint -> Hugging Face
     megatron-kd prune <teacher + data flags> --prune-num-experts N --out DIR   a student cut from the teacher
     megatron-kd plan <Megatron-LM flags> [--gpus 8 --search]       memory per GPU before launching
+    megatron-kd hf-flags DIR                   the Megatron-LM model flags of a Llama / Qwen3 directory
     megatron-kd cache inspect PATH [--json]    summary of a teacher cache
     megatron-kd cache verify PATH              check metadata, completeness and every chunk
 
@@ -81,6 +82,19 @@ def _cmd_prune(args) -> int:
     from megatron_kd.prune.command import main as prune_main
 
     return prune_main(args.megatron_args)
+
+
+def _cmd_hf_flags(args) -> int:
+    import shlex
+
+    from transformers import AutoConfig
+
+    from megatron_kd.megatron.hf_check import check_hf_dir
+    from megatron_kd.models.llama import megatron_flags
+
+    check_hf_dir(args.path, "hf-flags", tokenizer=False)
+    print(shlex.join(megatron_flags(AutoConfig.from_pretrained(args.path))))
+    return 0
 
 
 def _cmd_plan(args) -> int:
@@ -188,6 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 add_help=False)
     prune.add_argument("megatron_args", nargs=argparse.REMAINDER)
     prune.set_defaults(func=_cmd_prune)
+
+    hf_flags = commands.add_parser("hf-flags", help="Print the Megatron-LM model flags that build a Llama / Qwen3 "
+                                                    "Hugging Face directory (for --kd-student-hf / --kd-teacher-hf).")
+    hf_flags.add_argument("path", metavar="DIR")
+    hf_flags.set_defaults(func=_cmd_hf_flags)
 
     cache = commands.add_parser("cache", help="Teacher top-K caches (Zarr v3 stores).")
     cache_cmds = cache.add_subparsers(dest="cache_command", required=True)

@@ -175,3 +175,21 @@ def test_recipe_is_the_published_llama(size):
                                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                              "original_max_position_embeddings": 8192})
     check_dense_hf_config(published, parse_flags(_recipe_flags(size), prog="test"), source=f"llama-{size}")
+
+
+def test_hf_flags_prints_flags_that_describe_the_directory(tmp_path, capsys):
+    import shlex
+
+    from transformers import AutoConfig
+
+    from megatron_kd.cli import main
+    from megatron_kd.megatron.train import parse_flags
+    from megatron_kd.models.llama import check_dense_hf_config
+
+    for kind in KINDS:
+        hf_dir = make_tiny(kind, tmp_path / kind)
+        assert main(["hf-flags", str(hf_dir)]) == 0
+        flags = shlex.split(capsys.readouterr().out)
+        check_dense_hf_config(AutoConfig.from_pretrained(hf_dir), parse_flags(flags, prog="test"), source=str(hf_dir))
+    assert main(["hf-flags", str(tmp_path / "nowhere")]) == 2
+    assert "not a directory" in capsys.readouterr().err
