@@ -27,7 +27,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, fn, world_size, port, backend, args):
+def _entry(rank, fn, world_size, port, backend, args, env=None):
+    os.environ.update(env or {})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -68,11 +69,26 @@ def spawn(fn, *args, world_size: int = 2, backend: str = "gloo") -> None:
     ``backend`` "gloo" (CPU: the children see no GPU, whatever the machine has) or "nccl" (rank r
     on cuda:r). ``fn`` must be a module-level function (it is pickled into the spawned processes).
     """
-    with _environment(_CPU_CHILD_ENV if backend == "gloo" else {}):
+    env = _CPU_CHILD_ENV if backend == "gloo" else {}
+    # Without CUDA (CI), children fork from one forkserver per pytest process that imported torch,
+    # transformers, megatron-core and megatron_kd once: a spawned child spent ~20 s re-importing
+    # them, over a hundred children a run. The forkserver itself never computes, so no thread pool
+    # is forked. With CUDA, fresh processes as before (the server's environment would be the GPU's).
+    method = "spawn" if torch.cuda.is_available() else "forkserver"
+    with _environment(env):
         mp.start_processes(
-            _entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size, join=True,
-            start_method="spawn",
+            _entry, args=(fn, world_size, free_port(), backend, args, env), nprocs=world_size, join=True,
+            start_method=method,
         )
+
+
+# what the forkserver imports before it forks its first child (each child inherits them)
+_FORKSERVER_PRELOAD = ["torch", "numpy", "transformers", "megatron.core", "megatron.training",
+                       "megatron_kd.megatron.train", "dist_utils"]
+if not torch.cuda.is_available():
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(_FORKSERVER_PRELOAD)
 
 
 class _CpuMemoryBuffer:
