@@ -6,9 +6,9 @@
 #   bash examples/gpt_oss/distill.sh 120b ...
 #
 # The flags come in this order, later ones winning: architecture (gpt_oss.sh), size and one-node
-# layout (20b.sh / 120b.sh), distillation defaults below, then yours. --kd-student-hf initializes
-# the student from a Hugging Face GPT-OSS directory (bf16 or MXFP4) and is also its tokenizer unless
-# --tokenizer-model says otherwise. GPUS and MASTER_PORT as in launch/torchrun.sh.
+# layout (20b.sh / 120b.sh), distillation defaults (examples/common.sh), then yours.
+# --kd-student-hf initializes the student from a Hugging Face GPT-OSS directory (bf16 or MXFP4) and
+# is also its tokenizer unless --tokenizer-model says otherwise. GPUS and MASTER_PORT as in launch/torchrun.sh.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 size=${1:?usage: distill.sh 20b|120b|120b_e64 [Megatron-LM and --kd-* flags]}
@@ -16,12 +16,5 @@ shift
 [ -f "$here/$size.sh" ] || { echo "distill.sh: unknown size '$size' (20b, 120b or 120b_e64)" >&2; exit 2; }
 source "$here/gpt_oss.sh"
 source "$here/$size.sh"
-# --kd-tail renorm (the default) with 10% hard-label cross-entropy: the best top-K student in the
-# fidelity benchmark (README, Results)
-DISTILL=(
-  --bf16 --calculate-per-token-loss --kd-ce-weight 0.1
-  --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --lr-warmup-fraction 0.01 --clip-grad 1.0 --weight-decay 0.1
-  --split 99,1,0 --log-interval 1 --eval-interval 1000 --eval-iters 4
-)
 exec bash "$here/../../launch/torchrun.sh" train \
-  "${GPT_OSS_ARCH[@]}" "${GPT_OSS_SIZE[@]}" "${GPT_OSS_LAYOUT[@]}" "${GPT_OSS_IMPL[@]}" "${DISTILL[@]}" "$@"
+  "${GPT_OSS_ARCH[@]}" "${GPT_OSS_SIZE[@]}" "${GPT_OSS_LAYOUT[@]}" "${GPT_OSS_IMPL[@]}" "${KD_DISTILL[@]}" "$@"

@@ -35,10 +35,5 @@ GPT_OSS_ARCH=(
   --tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 128
 )
 
-# Without Transformer Engine: megatron-core's local spec with megatron_kd's attention and experts
-# (what runs where TE cannot be installed); with TE, Megatron's TE spec.
-_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-GPT_OSS_PY=${PYTHON:-$( [ -x "$_root/.venv/bin/python" ] && echo "$_root/.venv/bin/python" || echo python3 )}
-GPT_OSS_IMPL=()
-"$GPT_OSS_PY" -c 'import transformer_engine' 2>/dev/null || \
-  GPT_OSS_IMPL=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion)
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+GPT_OSS_IMPL=("${KD_IMPL[@]}")  # the local spec without Transformer Engine (common.sh)

@@ -5,7 +5,7 @@
 #       --train-iters 2000 --global-batch-size 64 --save CKPT [more Megatron-LM / --kd-* flags]
 #
 # The flags come in this order, later ones winning: architecture (llama3.sh), size and layout
-# (8b.sh / 3b.sh), the distillation defaults of examples/gpt_oss/distill.sh, then yours. The cache
+# (8b.sh / 3b.sh), the distillation defaults (examples/common.sh), then yours. The cache
 # comes from `cache build` with the teacher's flags (e.g. 8b.sh's and --kd-teacher-hf) over the same
 # data flags. GPUS and MASTER_PORT as in launch/torchrun.sh.
 set -euo pipefail
@@ -15,10 +15,5 @@ shift
 [ -f "$here/$size.sh" ] || { echo "distill.sh: unknown size '$size' (8b or 3b)" >&2; exit 2; }
 source "$here/llama3.sh"
 source "$here/$size.sh"
-DISTILL=(
-  --bf16 --calculate-per-token-loss --kd-ce-weight 0.1
-  --lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --lr-warmup-fraction 0.01 --clip-grad 1.0 --weight-decay 0.1
-  --split 99,1,0 --log-interval 1 --eval-interval 1000 --eval-iters 4
-)
 exec bash "$here/../../launch/torchrun.sh" train \
-  "${LLAMA3_ARCH[@]}" "${LLAMA3_SIZE[@]}" "${LLAMA3_LAYOUT[@]}" "${LLAMA_IMPL[@]}" "${DISTILL[@]}" "$@"
+  "${LLAMA3_ARCH[@]}" "${LLAMA3_SIZE[@]}" "${LLAMA3_LAYOUT[@]}" "${LLAMA_IMPL[@]}" "${KD_DISTILL[@]}" "$@"

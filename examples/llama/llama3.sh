@@ -12,8 +12,5 @@ LLAMA3_ARCH=(
   # vocabulary (128,256) and tokenizer from the Hugging Face directory
   --tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 128
 )
-_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-LLAMA_PY=${PYTHON:-$( [ -x "$_root/.venv/bin/python" ] && echo "$_root/.venv/bin/python" || echo python3 )}
-LLAMA_IMPL=()
-"$LLAMA_PY" -c 'import transformer_engine' 2>/dev/null || \
-  LLAMA_IMPL=(--transformer-impl local --no-rope-fusion --no-persist-layer-norm --no-gradient-accumulation-fusion)
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+LLAMA_IMPL=("${KD_IMPL[@]}")  # the local spec without Transformer Engine (common.sh)

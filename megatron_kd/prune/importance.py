@@ -52,6 +52,11 @@ def block_influence(h_in: torch.Tensor, h_out: torch.Tensor) -> tuple[float, int
     return float(torch.nn.functional.cosine_similarity(a, b, dim=-1).sum()), a.shape[0]
 
 
+def _device_of(group) -> str:
+    """Where a collective over ``group`` takes its tensors: NCCL reduces device tensors only."""
+    return "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
 class ImportanceCollector:
     """Accumulates the statistics of ``model``'s forward passes while in a ``with`` block.
 
@@ -126,8 +131,7 @@ class ImportanceCollector:
     def _sum_over(self, t: torch.Tensor, group) -> torch.Tensor:
         if group is None or dist.get_world_size(group) == 1:
             return t
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"  # NCCL reduces device tensors only
-        t = t.to(device, copy=True)
+        t = t.to(_device_of(group), copy=True)
         dist.all_reduce(t, group=group)
         return t.cpu()
 
@@ -146,8 +150,7 @@ class ImportanceCollector:
                 sq = self._sum_over(sq, self.dp_group)
                 if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
                     # linear_fc2's input is split over tensor-parallel ranks in contiguous blocks, rank order
-                    device = "cuda" if dist.get_backend(self.tp_group) == "nccl" else "cpu"
-                    sq = sq.to(device)
+                    sq = sq.to(_device_of(self.tp_group))
                     parts = [torch.empty_like(sq) for _ in range(dist.get_world_size(self.tp_group))]
                     dist.all_gather(parts, sq, group=self.tp_group)
                     sq = torch.cat(parts).cpu()

@@ -66,6 +66,14 @@ def safetensors_of(path) -> dict:
     return out
 
 
+def assert_same_tensors(a_dir, b_dir) -> None:
+    """Two Hugging Face directories hold the same tensor names with bit-identical values."""
+    a, b = safetensors_of(a_dir), safetensors_of(b_dir)
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 def kd_step(model, tp_group, seed, seq, *, experts: bool):
     """Fused vs dense KD loss and grads on the model (fp32: the loss to 1e-5, every gradient to 1e-4,
     the fused op's chunked roundings); then one SGD step must lower the fused loss."""

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from hf_equality import (build_student, forget_megatron, kd_step, megatron_logits, reference_logits,  # noqa: E402
-                         safetensors_of)
+from hf_equality import (assert_same_tensors, build_student, forget_megatron, kd_step, megatron_logits,  # noqa: E402
+                         reference_logits)
 from kd_inputs import rel_err  # noqa: E402
 from tiny_gpt_oss import SEQ, VOCAB_ROWS, make_tiny_gpt_oss, recipe_flags, tiny_flags  # noqa: E402
 
@@ -105,10 +105,7 @@ def _export_round_trip(args, model, hf_dir, out_dir, tokens, want):
 
     export_hf_weights(model, out_dir, gpt_oss_hf_config(args, vocab_size=VOCAB_ROWS), dtype=torch.float32,
                       tokenizer_dir=hf_dir)
-    before, after = safetensors_of(hf_dir), safetensors_of(out_dir)
-    assert before.keys() == after.keys()
-    for key in before:
-        assert torch.equal(before[key], after[key]), key
+    assert_same_tensors(hf_dir, out_dir)
     check_hf_config(AutoConfig.from_pretrained(out_dir), args, source=str(out_dir))
     assert (Path(out_dir) / "tokenizer.json").is_file()
     assert rel_err(reference_logits(out_dir, tokens), want) < TOL

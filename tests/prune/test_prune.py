@@ -23,7 +23,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from hf_equality import build_student, forget_megatron, megatron_logits, reference_logits, safetensors_of  # noqa: E402
+from hf_equality import (assert_same_tensors, build_student, forget_megatron, megatron_logits,  # noqa: E402
+                         reference_logits)
 from kd_inputs import rel_err  # noqa: E402
 from tiny_gpt_oss import SEQ as GPT_OSS_SEQ  # noqa: E402
 from tiny_gpt_oss import TOKENIZER_TOKENS, make_tiny_gpt_oss, tiny_flags  # noqa: E402
@@ -142,8 +143,7 @@ def test_cuts_that_keep_everything_give_back_the_teacher(tmp_path, seed):
     teacher = make_tiny_gpt_oss(tmp_path / "teacher", seed=seed)
     kept = KeptParts(layers=[0, 1], experts=[[0, 1, 2, 3]] * 2)
     student = write_pruned_hf(teacher, tmp_path / "student", kept)
-    before, after = safetensors_of(teacher), safetensors_of(student)
-    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert_same_tensors(teacher, student)
     assert json.loads((student / "config.json").read_text()) == json.loads((teacher / "config.json").read_text())
     assert (student / "tokenizer.json").is_file() and (student / "prune.json").is_file()
 
