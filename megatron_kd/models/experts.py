@@ -39,7 +39,8 @@ offloading (``--fine-grained-activation-offloading``) needs Transformer Engine (
 argument validation asserts it and its offload hooks call TE's ``cpu_offload``), so it never
 reaches this local-spec module.
 
-On CUDA the activation (with its bias column) is one compiled elementwise kernel per direction.
+On CUDA the activation (with its bias column) is one kernel per direction: GPT-OSS's clamped quick-GELU
+GLU in Triton (expert_activation.py), any other activation compiled by torch.compile.
 Used where ``grouped_mm`` has a backward (CUDA; CPU in bf16) with expert-tensor-parallel size 1;
 elsewhere the sequential loop runs. Token dispatch (EP all-to-all / all-gather) is megatron-core's.
 
@@ -60,6 +61,8 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.utils import get_pg_size
+
+from megatron_kd.models.expert_activation import clamped_glu, is_quick_gelu
 
 GROUPED_MM_ALIGN_BYTES = 16  # grouped_mm's row stride must be a multiple of 16 bytes
 
@@ -102,6 +105,8 @@ def _compiled_activation():
 def expert_activation(h: torch.Tensor, probs: torch.Tensor, config, width: int) -> torch.Tensor:
     """fc2's input: the MLP's activation times each row's routing probability, then (when fc2 has
     biases) the probability as the bias column and zero padding, ``width`` columns in h's dtype."""
+    if h.is_cuda and config.gated_linear_unit and is_quick_gelu(config.activation_func):
+        return clamped_glu(h, probs, width, config.activation_func_clamp_value, config.glu_linear_offset)
     fn = _compiled_activation() if h.is_cuda else _scaled_activation_with_bias_column
     return fn(h, probs, width, config.gated_linear_unit, config.activation_func_clamp_value,
               config.glu_linear_offset, config.activation_func)
