@@ -73,8 +73,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def dataset_fingerprint(dataset) -> str:
-    """megatron-core's own hash of the dataset's description (files, split, seed, length, count)."""
-    return str(dataset.unique_description_hash)
+    """Hash of megatron-core's description of the dataset (files, split, seed, length, count) with its
+    tokenizer named by content (``tokenizer_fingerprint``), not as megatron-core names it, by class and
+    path: a pruned student's copy of the teacher's tokenizer reads the same samples from the same files."""
+    described = dict(dataset.unique_identifiers)
+    if described.get("tokenizer") is not None:
+        described["tokenizer"] = tokenizer_fingerprint(described["tokenizer"])
+    text = json.dumps(described, indent=4, default=lambda obj: obj.unique_identifiers)
+    return hashlib.md5(text.encode("utf-8"), usedforsecurity=False).hexdigest()
 
 
 def write_indexed_dataset(prefix: str | Path, documents: Iterable, vocab_size: int) -> Path:

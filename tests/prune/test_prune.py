@@ -241,3 +241,26 @@ def test_prune_command_mistakes_are_one_line(tmp_path, capsys):
         assert main(["prune", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("megatron-kd: error: ") and message in err and "\n" not in err, err
+
+
+def test_student_copy_of_the_tokenizer_reads_the_teachers_cache(tmp_path):
+    """The cache names its samples by dataset fingerprint; a pruned student's directory holds a copy
+    of the teacher's tokenizer, so a run with --kd-student-hf STUDENT must describe the samples that
+    cache build --kd-teacher-hf TEACHER described (megatron-core's own hash names the tokenizer by path)."""
+    from megatron.core.tokenizers import MegatronTokenizer
+    from tiny_gpt_oss import save_word_tokenizer
+
+    from megatron_kd.megatron.data import build_gpt_datasets, dataset_fingerprint, write_indexed_dataset
+
+    prefix = write_indexed_dataset(tmp_path / "data" / "docs", [[3, 4, 5, 6, 1]] * 40, TOKENIZER_TOKENS)
+
+    def fingerprint(tokenizer_dir: Path, seq_length: int = 8) -> str:
+        save_word_tokenizer(tokenizer_dir)
+        tok = MegatronTokenizer.from_pretrained(tokenizer_path=str(tokenizer_dir), metadata_path={"library": "huggingface"})
+        train, _, _ = build_gpt_datasets([str(prefix)], split="100,0,0", seq_length=seq_length, seed=0, tokenizer=tok,
+                                         num_samples=(8, 0, 0), cache_dir=str(tmp_path / "index-cache"))
+        return dataset_fingerprint(train)
+
+    teacher = fingerprint(tmp_path / "teacher")
+    assert fingerprint(tmp_path / "student") == teacher
+    assert fingerprint(tmp_path / "student", seq_length=16) != teacher
