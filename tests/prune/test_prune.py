@@ -256,7 +256,8 @@ def test_student_copy_of_the_tokenizer_reads_the_teachers_cache(tmp_path):
 
     def fingerprint(tokenizer_dir: Path, seq_length: int = 8) -> str:
         save_word_tokenizer(tokenizer_dir)
-        tok = MegatronTokenizer.from_pretrained(tokenizer_path=str(tokenizer_dir), metadata_path={"library": "huggingface"})
+        tok = MegatronTokenizer.from_pretrained(tokenizer_path=str(tokenizer_dir),
+                                                metadata_path={"library": "huggingface"})
         train, _, _ = build_gpt_datasets([str(prefix)], split="100,0,0", seq_length=seq_length, seed=0, tokenizer=tok,
                                          num_samples=(8, 0, 0), cache_dir=str(tmp_path / "index-cache"))
         return dataset_fingerprint(train)
