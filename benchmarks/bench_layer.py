@@ -58,6 +58,9 @@ def parse(argv=None):
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--experts", type=int, default=4, help="local experts (top-4 routing over them)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--attention", default="auto",
+                   help="core attention's impl (models/attention.py ATTENTION_IMPLS): one for both layers, or "
+                        "per kind of layer as window:IMPL,full:IMPL (e.g. window:flex,full:cudnn)")
     p.add_argument("--extra", default="", help="more Megatron-LM flags (e.g. recompute options), one string")
     p.add_argument("--trace", action="store_true", help="also write a Chrome trace of one step")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
@@ -197,6 +200,16 @@ def profile(fn, cuda: bool, out: Path, name: str, trace: bool) -> list[dict]:
     return top_ops(prof, cuda)
 
 
+def attention_impls(spec: str) -> dict[str, str]:
+    """``--attention``'s value -> {"window": impl, "full": impl}."""
+    if ":" not in spec:
+        return {"window": spec, "full": spec}
+    impls = dict(part.split(":", 1) for part in spec.split(","))
+    if sorted(impls) != ["full", "window"]:
+        raise SystemExit(f"--attention {spec!r}: name both kinds of layer, window:IMPL,full:IMPL")
+    return impls
+
+
 def median_ms(fn, reps: int, cuda: bool) -> float:
     times = []
     for _ in range(reps):
@@ -230,6 +243,10 @@ def run(opts, device):
         model_parallel_cuda_manual_seed(1234)
     module = model_provider().to(device)
     config = module.config
+    impls = attention_impls(opts.attention)
+    for layer in module.decoder.layers:
+        attention = layer.self_attention.core_attention
+        attention.impl = impls["window" if attention.window else "full"]
     model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
                                     Float16Module(config, module))
     vocab, h = args.padded_vocab_size, args.hidden_size
@@ -254,7 +271,7 @@ def run(opts, device):
     results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "seq": opts.seq,
                "experts": args.num_experts, "topk": args.moe_router_topk, "hidden": h,
                "moe_act_recompute": recomputes_moe_act(config), "recompute_granularity": config.recompute_granularity,
-               "extra": opts.extra, "step_ms": median_ms(step, opts.reps, cuda)}
+               "attention": opts.attention, "extra": opts.extra, "step_ms": median_ms(step, opts.reps, cuda)}
     if cuda:
         results["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / GIB
     results["forward_ms"] = median_ms(lambda: forward(), opts.reps, cuda)

@@ -8,13 +8,18 @@ by head under TP, so ModelOpt's HF importer/exporter and Megatron checkpoints se
 and replaces ``forward`` with ``core_attention`` below, which picks per layer by name:
 
   "sdpa"  plain causal layers: torch's SDPA (cuDNN / flash on CUDA), GQA without repeating K/V
+  "flash4" causal or sliding-window layers, with or without sinks (SM90 / SM100 GPUs, when the
+          ``flash-attn-4`` package is installed): FlashAttention-4's CuTe kernels, GQA and the sink
+          native in forward and backward (``learnable_sink``), on megatron's [s, b, heads, d] memory
+          without a copy when b = 1
   "cudnn" full-causal layers with sinks (CUDA): cuDNN's fused attention, then the sink folded in
           (see ``_CudnnSinkAttention``); K/V repeated to the query heads, as cuDNN needs
   "flex"  sliding-window layers, with or without sinks (CUDA): compiled ``flex_attention`` with a
           block mask (memory and time linear in s), sinks folded in through its log-sum-exp
   "varlen" packed documents only (CUDA): flash attention's variable-length kernels (below)
   "math"  the exact reference on any device (fp32 softmax, materializes the scores): CPU runs
-  "auto"  sdpa, else cudnn / flex on CUDA and math elsewhere; with documents flex on CUDA, math elsewhere
+  "auto"  sdpa; else flash4 where it is installed and the GPU has its kernels, else cudnn (full
+          causal) / flex (windows) on CUDA; math elsewhere; with documents flex on CUDA, math elsewhere
 
 A sink is one extra key per head whose logit is the sink and whose value is zero: it takes
 probability mass and adds nothing. With lse the log-sum-exp of the real scores of a row and
@@ -54,7 +59,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_kd.models.documents import PackedDocuments
 
-ATTENTION_IMPLS = ("auto", "sdpa", "cudnn", "flex", "varlen", "math")
+ATTENTION_IMPLS = ("auto", "sdpa", "flash4", "cudnn", "flex", "varlen", "math")
 
 
 def visible_keys(sq: int, skv: int, *, causal: bool, window: tuple[int, int] | None,
@@ -199,6 +204,38 @@ def attention_flex(q, k, v, *, scale: float, causal: bool = True, window=None, s
     return out if sink is None else _fold_sink(out, aux.lse, sink)
 
 
+# ------------------------------------------------------------------------------------------- flash4
+FLASH4_ARCHS = (9, 10)  # compute capability majors whose FlashAttention-4 kernels take a sink's backward
+
+
+@functools.lru_cache(maxsize=None)
+def _flash4_installed() -> bool:
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flash4_available(device: torch.device) -> bool:
+    """FlashAttention-4 (``pip install flash-attn-4``) is importable and ``device`` is an SM90 / SM100 GPU."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] in FLASH4_ARCHS
+            and _flash4_installed())
+
+
+def attention_flash4(q, k, v, *, scale: float, causal: bool = True, window=None, sink=None) -> torch.Tensor:
+    """FlashAttention-4 on q [b, heads, s, d], k / v [b, groups, s, d] (GQA native), causal and/or
+    within ``window`` (its (left, right) is megatron's), with the sink per head as its
+    ``learnable_sink``: forward, backward and the sink's gradient in its kernels. It reads
+    [b, s, heads, d]; CoreAttention's views of megatron's [s, b, heads, d] are that memory when b = 1."""
+    from flash_attn.cute import flash_attn_func
+
+    out = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), softmax_scale=scale, causal=causal,
+                          window_size=window if window is not None else (None, None), learnable_sink=sink)
+    out = out[0] if isinstance(out, tuple) else out  # (out, lse) in flash-attn-4 4.0
+    return out.transpose(1, 2)
+
+
 # -------------------------------------------------------------------------------------------- cuDNN
 class _CudnnSinkAttention(torch.autograd.Function):
     """Causal attention with a sink per head on cuDNN's fused kernels.
@@ -313,6 +350,8 @@ def pick_impl(*, device: torch.device, causal: bool, window, sink, dropout_p: fl
         return "sdpa"
     if device.type != "cuda" or dropout_p > 0:
         return "math"
+    if flash4_available(device):
+        return "flash4"
     if window is None and causal:
         return "cudnn"
     return "flex"
@@ -333,7 +372,7 @@ def core_attention(q, k, v, *, scale: float, causal: bool = True, window: tuple[
         if documents.shape != (q.shape[0], q.shape[2]) or k.shape[2] != q.shape[2]:
             raise ValueError(f"documents of shape {documents.shape} for queries [b, heads, s, d] = {tuple(q.shape)} "
                              f"and {k.shape[2]} keys: self-attention over the packed samples is [b, s]")
-        if impl in ("sdpa", "cudnn"):
+        if impl in ("sdpa", "cudnn", "flash4"):
             raise ValueError(f"impl={impl!r} has no document masking; use 'flex', 'varlen' or 'math'")
     elif impl == "varlen":
         raise ValueError("impl='varlen' is for packed documents (documents=); use 'flex', 'cudnn' or 'sdpa'")
@@ -354,6 +393,11 @@ def core_attention(q, k, v, *, scale: float, causal: bool = True, window: tuple[
         if window is not None or not causal:
             raise ValueError("impl='cudnn' is for full causal layers; use 'flex' for windows")
         return attention_cudnn(q, k, v, scale=scale, sink=sink)
+    if impl == "flash4":
+        if not flash4_available(q.device):
+            raise ValueError(f"impl='flash4' needs the flash-attn-4 package and an SM90 / SM100 GPU; "
+                             f"on {q.device} use 'auto'")
+        return attention_flash4(q, k, v, scale=scale, causal=causal, window=window, sink=sink)
     if impl == "varlen":
         return attention_varlen(q, k, v, scale=scale, window=window, sink=sink, documents=documents)
     return attention_flex(q, k, v, scale=scale, causal=causal, window=window, sink=sink, documents=documents)
@@ -371,6 +415,7 @@ class CoreAttention(DotProductAttention):
         self.window = (tuple(config.window_size) if is_layer_window_attention(
             config.window_size, config.window_attn_skip_freq, layer_number) else None)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.impl = "auto"  # an ATTENTION_IMPLS name; benchmarks set it to compare the paths on one layer
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
@@ -386,6 +431,6 @@ class CoreAttention(DotProductAttention):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         context = core_attention(q, k, v, scale=self.softmax_scale, causal=causal, window=self.window,
                                  sink=self.softmax_offset, dropout_p=self.dropout_p if self.training else 0.0,
-                                 documents=documents)
+                                 impl=self.impl, documents=documents)
         # [b, n, s, d] -> [s, b, n·d]
         return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], self.hidden_size_per_partition)

@@ -3,8 +3,9 @@
 1. CPU: ``CoreAttention`` equals megatron-core's own ``DotProductAttention`` (which materializes the
    scores) in output and in the gradients of q, k, v and the sink: window and full layers, GQA,
    sinks learnable or absent, at TP = 1 and TP = 2 (gloo, each rank its heads)
-2. CUDA: the flex (window) and cuDNN (full causal) paths, bf16, against the fp32 math reference at
-   4K-32K tokens: output and every gradient
+2. CUDA: the flex (window), cuDNN (full causal) and FlashAttention-4 (both; where flash-attn-4 is
+   installed on an SM90 / SM100 GPU) paths, bf16, against the fp32 math reference at 4K-32K
+   tokens: output and every gradient, the sink's included
 3. bad ``impl`` names and combinations raise ValueError
 """
 
@@ -14,7 +15,7 @@ import torch
 from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
 from kd_inputs import rel_err
 
-from megatron_kd.models.attention import core_attention
+from megatron_kd.models.attention import core_attention, flash4_available
 
 HEADS, GROUPS, HEAD_DIM, SEQ = 4, 2, 8, 24
 
@@ -93,13 +94,18 @@ def test_bad_impl():
         core_attention(q, q, q, scale=0.3, window=(2, 0), sink=torch.zeros(2), impl="cudnn")
     with pytest.raises(ValueError, match="dropout"):
         core_attention(q, q, q, scale=0.3, window=(2, 0), dropout_p=0.1, impl="flex")
+    with pytest.raises(ValueError, match="needs the flash-attn-4 package"):
+        core_attention(q, q, q, scale=0.3, sink=torch.zeros(2), impl="flash4")
 
 
 @pytest.mark.cuda
 @pytest.mark.xdist_group("gpu_memory")  # its fp32 [s, s] references take up to ~60 GiB
-@pytest.mark.parametrize("impl, window", [("flex", (127, 0)), ("cudnn", None), ("flex", None)])
+@pytest.mark.parametrize("impl, window", [("flex", (127, 0)), ("cudnn", None), ("flex", None), ("flash4", (127, 0)),
+                                          ("flash4", None)])
 @pytest.mark.parametrize("seq, heads, groups", [(4096, 8, 1), (16384, 8, 2), (32768, 2, 1)])
 def test_cuda_attention_matches_fp32_reference(seed, impl, window, seq, heads, groups):
+    if impl == "flash4" and not flash4_available(torch.device("cuda")):
+        pytest.skip("flash-attn-4 is not installed or this GPU has no FlashAttention-4 kernels")
     g = torch.Generator(device="cuda").manual_seed(seed)
     # megatron's layout: [s, b, n, d] permuted to [b, n, s, d] views, as CoreAttention passes them
     q, k, v = (torch.randn(seq, 1, n, 64, device="cuda", generator=g, dtype=torch.bfloat16).permute(1, 2, 0, 3)
