@@ -39,6 +39,9 @@ setup(
         "requests",
     ],
     extras_require={
+        # FlashAttention-4's CuTe kernels (Hopper / Blackwell): core attention's "flash4" path, which
+        # "auto" takes where it is installed (models/attention.py); quack-kernels comes with it
+        "flash4": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"],
         # pytest-xdist: the GPU test command runs its CUDA tests on several workers
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist"],
         "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff"],

@@ -14,6 +14,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 _kd_cache=${MEGATRON_KD_CACHE_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron_kd}
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$_kd_cache/inductor}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$_kd_cache/triton}
+# FlashAttention-4's compiled CuTe kernels (core attention's flash4 path), off by default in flash-attn-4
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=${FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED:-1}
+export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-$_kd_cache/flash_attn}
 # torchrun (torch.distributed.run), quiet about what the ranks report themselves: when the first rank
 # to fail stopped on a user mistake (exit status 2, its one line printed), torchrun's failure report
 # and its "Sending process ... closing signal" notices are left out and it exits 2. Any other

@@ -1,7 +1,7 @@
 """What can be checked of the packaging without a Docker engine or a second node.
 
 1. docker/Dockerfile installs exactly setup.py's dependencies (less torch, which is the NGC
-   image's own) and copies only files that exist
+   image's own) and its "flash4" extra, and copies only files that exist
 2. the launchers start real torchrun jobs on this machine: launch/torchrun.sh and
    launch/multinode.sh (one node, c10d rendezvous) run ``megatron-kd cache inspect`` on a cache;
    launch/slurm.sbatch is valid bash
@@ -40,6 +40,14 @@ def test_dockerfile_pins_agree_with_setup_py():
     expected = {r for r in _setup_requires() if not r.startswith("torch")}
     assert set(requirements) == expected
     assert any("--no-deps -e ." in args for args in runs[1:])  # the package itself, without replacing torch
+
+
+def test_dockerfile_installs_the_flash4_extra():
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    extras = next(ast.literal_eval(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.keyword) and node.arg == "extras_require")
+    runs = [shlex.split(args) for op, args in _dockerfile_instructions() if op == "RUN" and "flash-attn-4" in args]
+    assert len(runs) == 1 and set(extras["flash4"]) <= set(runs[0])
 
 
 def test_dockerfile_copies_existing_files():

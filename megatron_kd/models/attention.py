@@ -18,8 +18,11 @@ and replaces ``forward`` with ``core_attention`` below, which picks per layer by
           block mask (memory and time linear in s), sinks folded in through its log-sum-exp
   "varlen" packed documents only (CUDA): flash attention's variable-length kernels (below)
   "math"  the exact reference on any device (fp32 softmax, materializes the scores): CPU runs
-  "auto"  sdpa; else flash4 where it is installed and the GPU has its kernels, else cudnn (full
-          causal) / flex (windows) on CUDA; math elsewhere; with documents flex on CUDA, math elsewhere
+  "auto"  flash4 for causal layers where it is installed and the GPU has its kernels (one H200 at
+          32K, fwd + bwd: full causal with sinks 59.1 ms against cuDNN's 77.1, the window layer 2.9
+          against flex's 6.2, Llama's plain causal 38.0 against SDPA's 42.4); else sdpa without
+          windows or sinks, cudnn (full causal) / flex (windows) with them on CUDA, math elsewhere;
+          with documents flex on CUDA, math elsewhere
 
 A sink is one extra key per head whose logit is the sink and whose value is zero: it takes
 probability mass and adds nothing. With lse the log-sum-exp of the real scores of a row and
@@ -346,12 +349,12 @@ def pick_impl(*, device: torch.device, causal: bool, window, sink, dropout_p: fl
     """The implementation ``core_attention(impl="auto")`` runs for a layer."""
     if documents:
         return "flex" if device.type == "cuda" and dropout_p == 0 else "math"
+    if dropout_p == 0 and causal and flash4_available(device):
+        return "flash4"
     if window is None and sink is None:
         return "sdpa"
     if device.type != "cuda" or dropout_p > 0:
         return "math"
-    if flash4_available(device):
-        return "flash4"
     if window is None and causal:
         return "cudnn"
     return "flex"

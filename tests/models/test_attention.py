@@ -100,10 +100,11 @@ def test_bad_impl():
 
 @pytest.mark.cuda
 @pytest.mark.xdist_group("gpu_memory")  # its fp32 [s, s] references take up to ~60 GiB
-@pytest.mark.parametrize("impl, window", [("flex", (127, 0)), ("cudnn", None), ("flex", None), ("flash4", (127, 0)),
-                                          ("flash4", None)])
+@pytest.mark.parametrize("impl, window, with_sink", [("flex", (127, 0), True), ("cudnn", None, True), ("flex", None, True),
+                                                     ("flash4", (127, 0), True), ("flash4", None, True),
+                                                     ("flash4", None, False)])
 @pytest.mark.parametrize("seq, heads, groups", [(4096, 8, 1), (16384, 8, 2), (32768, 2, 1)])
-def test_cuda_attention_matches_fp32_reference(seed, impl, window, seq, heads, groups):
+def test_cuda_attention_matches_fp32_reference(seed, impl, window, with_sink, seq, heads, groups):
     if impl == "flash4" and not flash4_available(torch.device("cuda")):
         pytest.skip("flash-attn-4 is not installed or this GPU has no FlashAttention-4 kernels")
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -115,9 +116,10 @@ def test_cuda_attention_matches_fp32_reference(seed, impl, window, seq, heads, g
     results = []
     for run_impl, dtype in ((impl, torch.bfloat16), ("math", torch.float32)):
         inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, sink)]
-        out = core_attention(*inputs[:3], scale=0.125, window=window, sink=inputs[3], impl=run_impl)
+        out = core_attention(*inputs[:3], scale=0.125, window=window, sink=inputs[3] if with_sink else None,
+                             impl=run_impl)
         out.backward(d_out.to(dtype))
-        results.append([out.detach().float()] + [t.grad.float() for t in inputs])
+        results.append([out.detach().float()] + [t.grad.float() for t in inputs[:4 if with_sink else 3]])
         del out, inputs
     for name, ours, ref in zip(["out", "dq", "dk", "dv", "dsink"], *results):
         assert rel_err(ours, ref) < 2e-2, (name, rel_err(ours, ref))
