@@ -5,14 +5,17 @@ GPT_OSS_SIZE=(--num-layers 36 --num-experts 128)
 # 16 of the 128 experts (14.3B expert + 2.1B non-expert parameters). --kd-optimizer bf16-sr-8bit
 # keeps bf16 weights updated by stochastic rounding (no fp32 master copy), 8-bit Adam moments and
 # bf16 gradients: 2 + 2 + 2.03 bytes per parameter, the non-expert part's state sharded over the 8
-# data-parallel ranks (the experts' is not: expert-data parallel is 1), 105 GiB per GPU with full
-# recompute (`megatron-kd plan`). Megatron's default state (fp32 master weights and moments, fp32
+# data-parallel ranks (the experts' is not: expert-data parallel is 1). Recompute: the first 33 of
+# the 36 layers whole, the experts' activation in the other 3: one rank on one H200 (bench_node
+# --rank-of 8, 2026-12-03) 10.50 s per step at 113.4 GiB, against 10.73 s with every layer
+# recomputed; with 30 layers whole the rank ran out of memory (`megatron-kd plan` on the real node:
+# 110 GiB per GPU, 104 with full recompute). Megatron's default state (fp32 master weights and moments, fp32
 # gradients: 18 bytes per parameter) fits no one-node layout, and its CPU offload needs ~2.2 TiB of
 # host RAM. The option implies --bf16 --use-distributed-optimizer --use-precision-aware-optimizer
 # --main-grads-dtype bf16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 (megatron_kd/optim/megatron.py).
 GPT_OSS_LAYOUT=(
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 8
   --kd-optimizer bf16-sr-8bit
-  --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+  --recompute-granularity full --recompute-method block --recompute-num-layers 33 --recompute-modules moe_act
   --seq-length 32768 --micro-batch-size 1
 )

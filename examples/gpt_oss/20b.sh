@@ -4,7 +4,7 @@ GPT_OSS_SIZE=(--num-layers 24 --num-experts 32)
 # One 8-GPU node at 32K tokens: the 32 experts spread 4 per GPU (expert parallel 8), attention and
 # embeddings replicated with the optimizer state sharded over data parallel 8. Recompute only what
 # memory requires: the first 10 layers whole, the experts' activation in the other 14
-# (`megatron-kd plan`: 119 GiB per GPU; its model is held to peaks measured at full depth). Full
+# (`megatron-kd plan`: 109 GiB per GPU; its model is held to peaks measured at full depth). Full
 # recompute of every layer costs ~20% more time (benchmarks/RESULTS.md, bench_node --rank-of 8).
 GPT_OSS_LAYOUT=(
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --expert-model-parallel-size 8

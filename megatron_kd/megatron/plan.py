@@ -19,14 +19,17 @@ Per GPU, in GiB (the most loaded rank):
                (``--optimizer-offload-fraction``) costs 20 bytes per parameter there (measured), and
                the part it keeps on the GPU 12
   activations  what backward keeps: per layer and token, attention (q/k/v, context, projection
-               input, norms) and MoE (dispatched tokens, fc1 output, activation, fc2 output) in bf16
+               input, norms) and MoE (dispatched tokens, fc1 output, activation) in bf16
                (``--recompute-modules moe_act``: no activation; megatron_kd's experts recompute it),
                plus one MoE layer's stacked expert weights in flight (rebuilt in its backward). With
                ``--recompute-granularity full`` layers recomputed whole keep only their input:
                ``--recompute-method uniform`` with N layers per group keeps every group's input and
                one group in flight; ``block`` with N layers keeps the first N layers' inputs and the
                other layers whole (the block's backward comes last, one layer of it in flight).
-               Sinks, windows and the cuDNN/flex kernels keep O(s) statistics only
+               Sinks, windows and the attention kernels keep O(s) statistics only. The attention
+               is FlashAttention-4's (core attention's flash4 path: K/V kept as their groups); without
+               flash-attn-4 the cuDNN path keeps K/V repeated to the query heads, 4·(heads − groups)·d
+               bytes per token more on each full-attention layer (0.44 GiB at GPT-OSS width, 32K)
   dispatch     the all-to-all send and receive buffers of routed tokens (EP > 1)
   loss         ``fused``: one chunk block (one bf16 weight gradient + 0.5 GiB, less the op's own
                buffers) and Megatron's dummy weight gradient; ``ce``: Megatron's output layer +
@@ -186,7 +189,9 @@ def _layer_activation_bytes_per_token(args, moe_act: bool = False) -> tuple[floa
     attention = 2 * ((n + 2 * g) * d + 2 * n * d + 2 * h)  # q/k/v, context, projection input, norm in/out
     if args.num_experts:
         ffn, k = args.moe_ffn_hidden_size or args.ffn_hidden_size, args.moe_router_topk
-        mlp = 2 * k * (2 * h + 3 * ffn) + 2 * 2 * h  # dispatched, fc1 out (2·ffn), activation, fc2 out; norm, residual
+        # per routed copy: fc1's input [x | 1], its output (2·ffn: the activation's input), fc2's input
+        # (the activation); fc2's output goes to the combine, which keeps nothing of it; then norm, residual
+        mlp = 2 * k * (h + 3 * ffn) + 2 * 2 * h
         if moe_act:
             mlp -= 2 * k * ffn
     else:
