@@ -10,6 +10,9 @@ calibration -> cuts -> student path on a Megatron GPT-OSS teacher.
    those channels' down_proj columns zeroed
 4. a Megatron GPT-OSS teacher's calibration pass, the cuts it chooses and the student Megatron
    builds from the pruned directory with the student's flags, against transformers on that directory
+5. the same cuts on a megatron-core model's state dict (plain and gated MLP): the student built with
+   the student's sizes loads it strictly and computes the teacher with those layers taken out and
+   those channels' linear_fc2 columns zeroed
 """
 
 import math
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
@@ -30,7 +34,8 @@ from tiny_gpt_oss import SEQ as GPT_OSS_SEQ  # noqa: E402
 from tiny_gpt_oss import TOKENIZER_TOKENS, make_tiny_gpt_oss, tiny_flags  # noqa: E402
 from tiny_llama import make_tiny  # noqa: E402
 
-from megatron_kd.prune import ImportanceCollector, KeptParts, PruneError, PruneTargets, choose_kept, write_pruned_hf
+from megatron_kd.prune import (ImportanceCollector, KeptParts, PruneError, PruneTargets, choose_kept,  # noqa: E402
+                               pruned_megatron_state, write_pruned_hf)
 
 TOL = 1e-5  # fp32: the same tensors through the same transformers code, ordered differently
 
@@ -265,3 +270,47 @@ def test_student_copy_of_the_tokenizer_reads_the_teachers_cache(tmp_path):
     teacher = fingerprint(tmp_path / "teacher")
     assert fingerprint(tmp_path / "student") == teacher
     assert fingerprint(tmp_path / "student", seq_length=16) != teacher
+
+
+# ------------------------------------------------------------------- 5. a megatron-core state dict
+def _megatron_gpt(layers: int, ffn: int, gated: bool, seed: int):
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_kd.models.gpt import build_gpt_model
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=ffn,
+                            gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu,
+                            use_cpu_initialization=True, params_dtype=torch.float32, attention_dropout=0.0,
+                            hidden_dropout=0.0, init_method_std=0.3)
+    return build_gpt_model(cfg, vocab_size=64, max_sequence_length=16, position_embedding_type="learned_absolute",
+                           use_te=False).eval()
+
+
+def _megatron_state_worker(rank, world, seed, gated):
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    with megatron_cpu_patches():
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel()
+        teacher = _megatron_gpt(4, 48, gated, seed)
+        kept = KeptParts(layers=[0, 2, 3], ffn=[list(range(0, 48, 2)), list(range(24)), list(range(24, 48))])
+        student = _megatron_gpt(3, 24, gated, seed + 1)
+        student.load_state_dict(pruned_megatron_state(teacher.state_dict(), kept, gated=gated), strict=True)
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+        positions = torch.arange(16).expand(2, 16)
+        with torch.no_grad():
+            teacher.decoder.layers = nn.ModuleList(teacher.decoder.layers[i] for i in kept.layers)
+            for layer, keep in zip(teacher.decoder.layers, kept.ffn):
+                gone = [c for c in range(48) if c not in keep]
+                layer.mlp.linear_fc2.weight[:, gone] = 0.0
+            ours, theirs = student(tokens, positions, None), teacher(tokens, positions, None)
+        assert rel_err(ours, theirs) < TOL, rel_err(ours, theirs)
+        with pytest.raises(PruneError, match="expert FFN widths"):
+            pruned_megatron_state({"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": torch.zeros(2, 2)},
+                                  KeptParts(layers=[0], ffn=[[0]]), gated=gated)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
+def test_pruned_megatron_state_is_the_teacher_without_the_cut_parts(seed, gated):
+    spawn(_megatron_state_worker, seed, gated, world_size=1)

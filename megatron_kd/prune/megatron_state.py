@@ -1,0 +1,75 @@
+"""A pruned student as a megatron-core GPTModel state dict: the teacher's tensors, cut.
+
+The counterpart of ``hf_checkpoint.py`` for a teacher that is a megatron-core model in memory (a
+state dict of tensor-parallel size 1, megatron-core's local-spec names): the same ``KeptParts``, the
+same row and column selections, so every kept weight is the teacher's. The student is the model
+built with the student's sizes (``--num-layers``, ``--ffn-hidden-size``, ``--num-experts``), which
+then loads the returned dict with ``strict=True``.
+
+- layers: ``decoder.layers.{i}.*`` renumbered;
+- experts: ``mlp.router.weight`` / ``mlp.router.expert_bias`` rows, ``mlp.experts.local_experts.{e}.*``
+  renumbered;
+- FFN channels (dense MLP layers): rows of ``mlp.linear_fc1`` (in a gated unit both halves, gate
+  and linear, as megatron-core's GLU splits fc1's output) and its bias, columns of ``mlp.linear_fc2``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron_kd.prune.cuts import KeptParts, PruneError
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def _ffn_rows(channels: list[int], width: int, gated: bool) -> torch.Tensor:
+    """fc1's output rows of ``channels``: in a gated unit the gate's and the linear half's."""
+    rows = torch.tensor(channels)
+    return torch.cat([rows, rows + width]) if gated else rows
+
+
+def _cut(name: str, t, experts: list[int] | None, ffn: list[int] | None, gated: bool):
+    """The part of one layer's entry (``name`` after ``decoder.layers.{i}.``) the student keeps;
+    None when it is dropped (an expert not kept)."""
+    if not isinstance(t, torch.Tensor):
+        return t  # _extra_state entries
+    if experts is not None and name in ("mlp.router.weight", "mlp.router.expert_bias"):
+        return t.index_select(0, torch.tensor(experts)).contiguous()
+    if ffn is None:
+        return t
+    if name.startswith("mlp.experts."):
+        raise PruneError("expert FFN widths are not pruned yet: prune experts and layers of MoE teachers")
+    if name in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
+        width = t.shape[0] // 2 if gated else t.shape[0]
+        return t.index_select(0, _ffn_rows(ffn, width, gated)).contiguous()
+    if name == "mlp.linear_fc2.weight":
+        return t.index_select(1, torch.tensor(ffn)).contiguous()
+    return t
+
+
+def pruned_megatron_state(state: dict, kept: KeptParts, *, gated: bool) -> dict:
+    """The student's state dict from the teacher's (megatron-core GPTModel, TP = 1); ``gated``: the
+    MLP is a gated linear unit (``config.gated_linear_unit``)."""
+    new_layer = {old: new for new, old in enumerate(kept.layers)}
+    out = {}
+    for name, t in state.items():
+        m = _LAYER.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        old, rest = int(m.group(1)), m.group(2)
+        if old not in new_layer:
+            continue
+        i = new_layer[old]
+        experts = kept.experts[i] if kept.experts is not None else None
+        ffn = kept.ffn[i] if kept.ffn is not None else None
+        e = _LOCAL_EXPERT.match(rest)
+        if e is not None and experts is not None:
+            if int(e.group(1)) not in experts:
+                continue
+            rest = f"mlp.experts.local_experts.{experts.index(int(e.group(1)))}.{e.group(2)}"
+        out[f"decoder.layers.{i}.{rest}"] = _cut(rest, t, experts, ffn, gated)
+    return out
