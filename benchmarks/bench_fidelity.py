@@ -119,6 +119,7 @@ class Arch:
     layers: int
     hidden: int
     heads: int
+    ffn: int | None = None  # MLP width (None: megatron-core's 4 x hidden)
 
 
 @dataclass(frozen=True)
@@ -387,8 +388,9 @@ def gpt(arch: Arch, vocab: int, seq_length: int, seed: int, device: torch.device
 
     torch.manual_seed(seed)
     config = TransformerConfig(num_layers=arch.layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
-                               use_cpu_initialization=True, params_dtype=torch.float32, attention_dropout=0.0,
-                               hidden_dropout=0.0, normalization="RMSNorm", init_method_std=0.02)
+                               ffn_hidden_size=arch.ffn, use_cpu_initialization=True, params_dtype=torch.float32,
+                               attention_dropout=0.0, hidden_dropout=0.0, normalization="RMSNorm",
+                               init_method_std=0.02)
     # megatron-core's rotary embedding assumes CUDA; on the CPU, learned absolute positions
     position = "rope" if device.type == "cuda" else "learned_absolute"
     model = build_gpt_model(config, vocab_size=vocab, max_sequence_length=seq_length,
@@ -815,6 +817,10 @@ class Bench:
 
         return offline
 
+    def new_student(self):
+        """The model every variant starts from: the student architecture, one seed for all."""
+        return gpt(self.p.student, self.vocab, self.p.seq_length, self.p.seed + 1, self.device)
+
     def train_student(self, v: Variant):
         if v.name in self.results["variants"]:  # finished by a stopped run
             return
@@ -826,7 +832,7 @@ class Bench:
             self.student_ds, str(self.caches[v.cache]), tokenizer=self.tok,
             required_samples=p.student_steps * p.micro_batch_size, packing=self.packing.mode)
         batches = ordered_batches(dataset, p.student_steps, p.micro_batch_size, workers=p.workers, device=self.device)
-        model = gpt(p.student, self.vocab, p.seq_length, p.seed + 1, self.device)  # the same start for all
+        model = self.new_student()
         step_fn, starts = self._step_fn(v, batches), []
 
         def timed(model, step):  # train_loop syncs every step (it reads the loss), so starts are step ends

@@ -1,0 +1,184 @@
+"""Healing a pruned student: the teacher cut at two levels, each cut recovered by distillation from
+the teacher's cache, against cross-entropy training and online KD for the same steps.
+
+    python benchmarks/bench_heal.py --size cpu --out /tmp/heal          # the CPU preset, minutes
+    python benchmarks/bench_heal.py --size gpu --out runs/heal          # one H200
+
+Stages 1-4 are bench_fidelity.py's (``Bench``): the corpus of the installed Python's text files, a
+byte-level BPE, a megatron-core GPT teacher trained with cross-entropy, and the teacher passes into
+a top-100 cache and a sampled cache of 64 draws. Then, with the product's own pruning code:
+
+5. Calibration: ``megatron_kd.prune.calibrate`` runs the teacher over the first ``--calib-samples``
+   samples the students train on (the samples the caches hold: one cache serves every cut) and
+   scores its layers (block influence) and MLP channels (activation L2).
+6. Cuts: at each level, ``choose_kept`` keeps the most important layers and channels and
+   ``pruned_megatron_state`` cuts the teacher's state dict; the student is the GPT of the cut sizes
+   loading it (``LEVELS``: "light" keeps 3/4 of the layers and of the MLP width, "heavy" 1/2).
+7. Healing: from that start, the same samples, order and steps (the preset's student steps, at
+   ``--lr``), one run per variant: ``ce`` (cross-entropy only), ``top100-renorm`` and ``sampled64``
+   (the fused loss from the caches, what ``megatron-kd train`` runs) and ``online`` (full-vocabulary
+   KL with the teacher in memory, the reference).
+
+Reported per level: held-out cross-entropy (and KL(teacher‖student)) of the pruned student before
+healing and after each variant, and the fraction of the pruned-to-teacher gap each closes,
+(CE_pruned − CE_healed) / (CE_pruned − CE_teacher); the goal is a cache variant closing at least
+80% of what online KD closes. Writes OUT/results.json and OUT/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_fidelity import PRESETS, Arch, Bench, _setup, _start_process, gpt, preset_overrides  # noqa: E402
+
+LEVELS = {"light": 0.75, "heavy": 0.5}  # fraction of the teacher's layers and MLP width kept
+VARIANTS = ("ce", "top100-renorm", "sampled64", "online")
+GOAL = 0.8  # of online KD's gap closed, by a cache variant
+
+
+class HealBench(Bench):
+    """``Bench`` whose students start from the teacher, cut."""
+
+    start: tuple[Arch, dict] | None = None
+
+    def new_student(self):
+        arch, state = self.start
+        model = gpt(arch, self.vocab, self.p.seq_length, self.p.seed + 1, self.device)
+        model.load_state_dict(state, strict=True)
+        return model
+
+    def calibrate(self, samples: int):
+        from megatron_kd.prune import calibrate
+        from megatron_kd.teacher import MegatronTeacher
+
+        t = time.perf_counter()
+        scores = calibrate(MegatronTeacher(self.teacher), self.student_ds, num_samples=samples,
+                           micro_batch_size=self.p.micro_batch_size, group_size=1, device=self.device, progress=False)
+        self.stage("calibration", time.perf_counter() - t)
+        self.log(f"calibration: {scores.tokens:,} tokens; layer scores "
+                 + ", ".join(f"{x:.4f}" for x in scores.layer_groups.tolist()))
+        return scores
+
+    def cut(self, scores, keep: float) -> tuple[Arch, dict, dict]:
+        from megatron_kd.prune import PruneTargets, choose_kept, pruned_megatron_state
+
+        t = self.p.teacher
+        ffn = self.teacher.config.ffn_hidden_size
+        targets = PruneTargets(num_layers=max(1, round(t.layers * keep)), ffn_hidden_size=max(1, round(ffn * keep)))
+        kept = choose_kept(scores, targets, num_layers=t.layers, num_experts=None, ffn_hidden_size=ffn)
+        state = pruned_megatron_state(self.teacher.state_dict(), kept,
+                                      gated=self.teacher.config.gated_linear_unit)
+        arch = replace(t, layers=targets.num_layers, ffn=targets.ffn_hidden_size)
+        return arch, state, {"layers": kept.layers, "ffn_hidden_size": targets.ffn_hidden_size,
+                             "parameters": sum(v.numel() for k, v in state.items()
+                                               if isinstance(v, torch.Tensor) and not k.endswith("_extra_state"))}
+
+    def heal(self, levels: dict[str, float], variants: list, calib_samples: int) -> dict:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.build_data()
+        self.train_teacher()
+        resolved = self.build_caches(variants)
+        scores = self.calibrate(min(calib_samples, self.p.student_steps * self.p.micro_batch_size))
+        teacher_ce = self.results["teacher"]["heldout_ce"]
+        self.results["levels"] = {}
+        for name, keep in levels.items():
+            arch, state, info = self.cut(scores, keep)
+            self.start = (arch, state)
+            before = self.heldout(self.new_student(), teacher=self.teacher)
+            self.log(f"{name} cut: layers {info['layers']}, MLP width {info['ffn_hidden_size']}, "
+                     f"{info['parameters']:,} parameters; before healing: held-out cross-entropy {before['ce']:.4f}, "
+                     f"KL {before['kl']:.4f} (teacher {teacher_ce:.4f})")
+            self.results["variants"] = {}
+            for v in resolved:
+                self.train_student(v)
+            gap = before["ce"] - teacher_ce
+            healed = {k: {**r, "gap_closed": (before["ce"] - r["heldout_ce"]) / gap if gap > 0 else float("nan")}
+                      for k, r in self.results["variants"].items()}
+            self.results["levels"][name] = {"keep": keep, "arch": asdict(arch), **info, "before": before,
+                                            "gap": gap, "variants": healed}
+        del self.results["variants"]
+        self.tb.close()
+        self.results["goal"] = heal_goal(self.results)
+        self.results["seconds"] = round(sum(self.results["stages"].values()), 1)
+        return self.results
+
+
+def heal_goal(results: dict) -> dict:
+    """Per level: the best cache variant's gap closed over online KD's, against ``GOAL``."""
+    out = {}
+    for name, level in results["levels"].items():
+        rows = level["variants"]
+        if "online" not in rows:
+            continue
+        cached = {k: r["gap_closed"] for k, r in rows.items() if r["kind"] in ("topk", "sampled")}
+        online = rows["online"]["gap_closed"]
+        out[name] = {k: closed / online for k, closed in cached.items()} if online > 0 else {}
+    return {"goal": f"a cache variant closes >= {GOAL:.0%} of the gap online KD closes", "ratios": out,
+            "met": all(any(r >= GOAL for r in ratios.values()) for ratios in out.values()) if out else None}
+
+
+def markdown(results: dict) -> str:
+    teacher = results["teacher"]["heldout_ce"]
+    lines = [f"# Healing pruned students ({results['preset_name']} preset)", "",
+             f"Teacher: {results['teacher']['parameters']:,} parameters, held-out cross-entropy {teacher:.4f}.", ""]
+    for name, level in results["levels"].items():
+        lines += [f"## {name} cut: layers {level['layers']}, MLP width {level['ffn_hidden_size']}, "
+                  f"{level['parameters']:,} parameters", "",
+                  "| student | cache bytes/token | held-out CE | KL(T‖S) | gap closed |", "|---|---:|---:|---:|---:|",
+                  f"| pruned, before healing | | {level['before']['ce']:.4f} | {level['before']['kl']:.4f} | 0 |"]
+        for k, r in level["variants"].items():
+            size = f"{r['bytes_per_token']:.1f}" if r.get("bytes_per_token") else ""
+            lines.append(f"| {k} | {size} | {r['heldout_ce']:.4f} | {r['heldout_kl']:.4f} | {r['gap_closed']:.1%} |")
+        ratios = results["goal"]["ratios"].get(name, {})
+        if ratios:
+            lines += ["", "Of online KD's gap closed: " + ", ".join(f"{k} {x:.0%}" for k, x in ratios.items()) + "."]
+        lines.append("")
+    lines.append(f"Goal ({results['goal']['goal']}): {'met' if results['goal']['met'] else 'not met'}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(PRESETS), default="gpu")
+    parser.add_argument("--out", default="runs/heal")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="bench_fidelity variant names")
+    parser.add_argument("--levels", default=",".join(LEVELS), help=f"of {', '.join(LEVELS)}")
+    parser.add_argument("--lr", type=float, default=None, help="healing learning rate (default: the preset's "
+                                                                "student rate / 3: the start is a trained model)")
+    parser.add_argument("--calib-samples", type=int, default=64)
+    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="preset field overrides")
+    opts = parser.parse_args(argv)
+    overrides = preset_overrides(opts.set)
+    overrides["student_lr"] = opts.lr if opts.lr is not None else \
+        overrides.get("student_lr", PRESETS[opts.size].student_lr) / 3
+    preset, variants, device, autocast, out = _setup(opts.size, opts.out, opts.variants.split(","), opts.dtype,
+                                                     overrides)
+    for stale in (out / "work", out / "tensorboard"):  # datasets, caches and curves are rebuilt
+        shutil.rmtree(stale, ignore_errors=True)
+    (out / "results.partial.json").unlink(missing_ok=True)
+    _start_process(preset, device)
+    bench = HealBench(preset, out, device, autocast, print)
+    results = bench.heal({k: LEVELS[k] for k in opts.levels.split(",")}, variants, opts.calib_samples)
+    shutil.rmtree(out / "work")
+    (out / "results.partial.json").unlink(missing_ok=True)
+    results["preset_name"] = opts.size
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

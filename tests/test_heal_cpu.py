@@ -1,0 +1,36 @@
+"""The heal benchmark end to end at a toy size (``benchmarks/bench_heal.py``; its numbers are for the
+CPU and GPU presets): teacher, caches, calibration, cuts, healing.
+
+A cut that keeps every layer and channel is the teacher itself: its held-out metrics before healing
+are the teacher's, exactly (KL 0). A real cut starts worse than the teacher, and every variant's
+gap closed is reported from the same start.
+"""
+
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_fidelity  # noqa: E402
+import bench_heal  # noqa: E402
+from test_fidelity_cpu import TINY  # noqa: E402
+
+
+def test_heal_from_a_cut_teacher(tmp_path):
+    preset, variants, device, autocast, out = bench_fidelity._setup(
+        "cpu", tmp_path, ["ce", "top8-renorm", "online"], "auto", TINY)
+    bench_fidelity._start_process(preset, device)
+    bench = bench_heal.HealBench(preset, out, device, autocast, lambda msg: None)
+    results = bench.heal({"none": 1.0, "heavy": 0.5}, variants, calib_samples=8)
+    teacher = results["teacher"]["heldout_ce"]
+    whole, heavy = results["levels"]["none"], results["levels"]["heavy"]
+    assert whole["layers"] == [0, 1] and whole["ffn_hidden_size"] == 128
+    assert abs(whole["before"]["ce"] - teacher) < 1e-6 and whole["before"]["kl"] < 1e-6, whole["before"]
+    assert len(heavy["layers"]) == 1 and heavy["ffn_hidden_size"] == 64
+    assert heavy["parameters"] < whole["parameters"]
+    assert heavy["before"]["ce"] > teacher and heavy["gap"] > 0
+    for name in ("ce", "top8-renorm", "online"):
+        assert math.isfinite(heavy["variants"][name]["gap_closed"])
+    assert set(results["goal"]["ratios"]["heavy"]) == {"top8-renorm"}
+    md = bench_heal.markdown({**results, "preset_name": "tiny"})
+    assert "| pruned, before healing |" in md and "| top8-renorm |" in md
