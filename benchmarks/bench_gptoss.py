@@ -70,8 +70,10 @@ def model_flags(opts) -> list[str]:
     return flags
 
 
-def model_flops(args, seq: int) -> float:
-    """Matmul FLOPs of forward + backward for one sequence of ``seq`` tokens (3x forward)."""
+def model_flops(args, seq: int, document: int | None = None) -> float:
+    """Matmul FLOPs of forward + backward for one sequence of ``seq`` tokens (3x forward);
+    ``document``: packed documents of that many tokens kept apart, each query attending within
+    its own document (the causal half of a document, not of the sequence)."""
     from megatron.core.transformer.utils import is_layer_window_attention
 
     h, n, g, d = args.hidden_size, args.num_attention_heads, args.num_query_groups, args.kv_channels
@@ -79,7 +81,8 @@ def model_flops(args, seq: int) -> float:
     per_token = 0.0
     for layer in range(1, args.num_layers + 1):
         window = is_layer_window_attention(args.window_size, args.window_attn_skip_freq, layer)
-        keys = min(args.window_size[0] + 1, seq) if window else (seq + 1) / 2  # average keys per query
+        span = min(document or seq, seq)  # the keys a query can reach at most
+        keys = min(args.window_size[0] + 1, span) if window else (span + 1) / 2  # average keys per query
         per_token += 2 * h * (n * d + 2 * g * d) + 2 * n * d * h  # q/k/v and output projections
         per_token += 2 * 2 * n * d * keys  # scores and values
         per_token += 2 * h * experts + topk * 2 * (h * 2 * ffn + ffn * h)  # router and experts

@@ -51,7 +51,9 @@ memory (``--log-memory-interval``, data-parallel rank 0), out-of-memory if it ha
 TFLOP/s per GPU in two conventions = FLOPs per step / GPUs / step time:
   bench     the matmuls of forward and backward (``bench_gptoss.model_flops``): attention scores
             and values over the causal half on full layers and 128 keys on window layers, the
-            gated experts' three matrices; recompute not counted
+            gated experts' three matrices; recompute not counted. With --packing documents the
+            attention is counted per document (the causal half of each --document-tokens document),
+            as the attention kernels compute it
   megatron  Megatron-LM's ``num_floating_point_operations`` on the run's arguments (what
             ``--log-throughput`` prints, also parsed from the log): full causal attention on every
             layer (it knows no windows), the gated-unit factor only from ``--swiglu`` (GPT-OSS's
@@ -390,7 +392,8 @@ def model_flops_per_step(args, opts) -> float:
     """The benchmark's convention (see the module docstring), one global batch."""
     from bench_gptoss import model_flops
 
-    return model_flops(args, opts.seq) * opts.global_batch_size
+    document = opts.document_tokens if opts.packing != "none" else None
+    return model_flops(args, opts.seq, document) * opts.global_batch_size
 
 
 def megatron_flops_per_step(args, opts) -> float:
@@ -583,7 +586,9 @@ def markdown(results: dict) -> str:
                   + " ".join(PACKING_FLAGS[results["packing"]]) + ").", ""]
     if results.get("rank_of"):
         lines += [rank_note(results), ""]
-    lines += [f"Model FLOPs per step: {results['model_tflop_per_step']:.0f} TFLOP (bench convention), "
+    per_document = " attention counted per document," if results.get("packing", "none") != "none" else ""
+    lines += [f"Model FLOPs per step: {results['model_tflop_per_step']:.0f} TFLOP (bench convention,{per_document} "
+              f"recompute not counted), "
               f"{results['megatron_tflop_per_step']:.0f} TFLOP (Megatron-LM's num_floating_point_operations). "
               f"{results.get('cache', '')}", "",
               "| run | step (s) | model TFLOP/s per GPU: bench | Megatron | peak GiB (rank 0) | plan GiB | plan error |",

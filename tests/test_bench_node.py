@@ -101,6 +101,21 @@ def test_both_flop_conventions(tmp_path):
     assert args.num_layers == 24 and args.num_experts == 4  # megatron_flops_per_step left args alone
 
 
+def test_packed_documents_count_attention_per_document(tmp_path):
+    from megatron_kd.megatron.plan import plan_args
+
+    unpacked = parse(["--rank-of", "8", "--out", str(tmp_path)])
+    args, _ = plan_args(train_flags(unpacked, "/data/random"), 1)
+    flops = {n: model_flops_per_step(args, parse(["--rank-of", "8", "--packing", "documents", "--document-tokens",
+                                                  str(n), "--out", str(tmp_path)]))
+             for n in (8192, 32768)}
+    assert flops[32768] == model_flops_per_step(args, unpacked)  # one document per sample: the same count
+    # 12 full layers attend over a quarter of the keys per query: (8192 + 1) / 2 instead of (32768 + 1) / 2
+    n, d, seq = args.num_attention_heads, args.kv_channels, args.seq_length
+    fewer = 3 * 2 * 2 * n * d * (32768 - 8192) / 2 * seq * 12 * unpacked.global_batch_size
+    assert flops[32768] - flops[8192] == pytest.approx(fewer, rel=1e-9)
+
+
 def test_layout_flags_replace_the_recipes_recompute(tmp_path):
     out = ["--out", str(tmp_path)]
     recipe = parse(out)
