@@ -36,6 +36,13 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Megatron-LM's training module installs a logging handler on the stderr of the moment it is first
+# imported (logging.basicConfig at import). Imported inside a test, that is the test's capture, closed
+# when the test ends, and every later Megatron log record prints "--- Logging error ---" into the
+# stderr of whichever test runs next (the one-line error checks then see it). Imported here, at
+# collection, it writes to the session's stderr.
+import megatron.training.training  # noqa: E402, F401
+
 CI_SEED = 20261202
 
 
