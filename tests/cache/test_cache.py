@@ -375,8 +375,8 @@ def test_training_startup_checks_every_shard_it_will_read(store, seed, monkeypat
     import megatron_kd.megatron.kd_data as kd_data
 
     monkeypatch.setattr(kd_data, "tokenizer_fingerprint", lambda tok: _META["tokenizer_fingerprint"])
-    base = SimpleNamespace(config=SimpleNamespace(sequence_length=SEQ),
-                           unique_description_hash=_META["dataset_fingerprint"])
+    monkeypatch.setattr(kd_data, "dataset_fingerprint", lambda dataset: _META["dataset_fingerprint"])
+    base = SimpleNamespace(config=SimpleNamespace(sequence_length=SEQ))
     tok = SimpleNamespace(vocab_size=VOCAB)
     rng = np.random.default_rng(seed)
     rank, name = int(rng.integers(_DP)), str(rng.choice(["ids", "logprobs"]))
