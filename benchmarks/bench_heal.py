@@ -4,9 +4,9 @@ the teacher's cache, against cross-entropy training and online KD for the same s
     python benchmarks/bench_heal.py --size cpu --out /tmp/heal          # the CPU preset, ~4 minutes
     python benchmarks/bench_heal.py --size gpu --out runs/heal          # one H200
 
-Stages 1-4 are bench_fidelity.py's (``Bench``, its presets with ``HEAL_PRESETS``' changes): the corpus of the installed Python's text files, a
-byte-level BPE, a megatron-core GPT teacher trained with cross-entropy, and the teacher passes into
-a top-100 cache and a sampled cache of 64 draws. Then, with the product's own pruning code:
+Stages 1-4 are bench_fidelity.py's (``Bench``, its presets with ``HEAL_PRESETS``' changes): the
+corpus of the installed Python's text files, a byte-level BPE, a megatron-core GPT teacher trained
+with cross-entropy, and the teacher passes into a top-100 cache and a sampled cache of 64 draws. Then, with the product's own pruning code:
 
 5. Calibration: ``megatron_kd.prune.calibrate`` runs the teacher over the first ``--calib-samples``
    samples the students train on (the samples the caches hold: one cache serves every cut) and

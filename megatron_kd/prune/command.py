@@ -10,8 +10,8 @@ samples of the training set with the importance hooks of ``megatron_kd.prune.imp
 the parts the targets keep are chosen by those scores (``prune.cuts``). Rank 0 then writes the
 student as a Hugging Face directory of the teacher's own tensors, cut (``prune.hf_checkpoint``);
 the student run starts from it with ``--kd-student-hf DIR`` and the teacher's model flags with the
-student's sizes (``--num-layers``, ``--num-experts``, ``--ffn-hidden-size``), which the command
-prints.
+student's sizes (``--num-layers``, ``--num-experts``, ``--ffn-hidden-size``, ``--num-attention-heads``
+with ``--kv-channels``), which the command prints.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def add_prune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--prune-ffn-hidden-size", type=int, default=None, metavar="N",
                        help="FFN channels each dense MLP layer keeps (Llama, Qwen3): those with the largest "
                             "activation norms. Default: all.")
+    group.add_argument("--prune-num-attention-heads", type=int, default=None, metavar="N",
+                       help="Attention heads each layer keeps: in every query group the same number, those "
+                            "with the largest context norms (N a multiple of the query groups). Default: all.")
     group.add_argument("--prune-calib-samples", type=int, default=128, metavar="N",
                        help="Training samples of the calibration pass (default 128).")
     return parser
@@ -42,12 +45,15 @@ def prune_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     opts, rest = add_prune_args(FlagParser(prog="megatron-kd prune", add_help=False)).parse_known_args(argv)
     if not opts.out:
         raise FlagError("prune needs --out DIR: where to write the pruned student")
-    for flag in ("prune_num_layers", "prune_num_experts", "prune_ffn_hidden_size", "prune_calib_samples"):
+    for flag in ("prune_num_layers", "prune_num_experts", "prune_ffn_hidden_size", "prune_num_attention_heads",
+                 "prune_calib_samples"):
         value = getattr(opts, flag)
         if value is not None and value < 1:
             raise FlagError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if opts.prune_num_layers is None and opts.prune_num_experts is None and opts.prune_ffn_hidden_size is None:
-        raise FlagError("prune needs a target: --prune-num-layers, --prune-num-experts or --prune-ffn-hidden-size")
+    if all(getattr(opts, f) is None for f in ("prune_num_layers", "prune_num_experts", "prune_ffn_hidden_size",
+                                              "prune_num_attention_heads")):
+        raise FlagError("prune needs a target: --prune-num-layers, --prune-num-experts, --prune-ffn-hidden-size "
+                        "or --prune-num-attention-heads")
     return opts, rest
 
 
@@ -61,9 +67,12 @@ def student_flags(args, opts) -> list[str]:
     """The flags that change from the teacher's to build the pruned student."""
     flags = []
     for flag, value in (("--num-layers", opts.prune_num_layers), ("--num-experts", opts.prune_num_experts),
-                        ("--ffn-hidden-size", opts.prune_ffn_hidden_size)):
+                        ("--ffn-hidden-size", opts.prune_ffn_hidden_size),
+                        ("--num-attention-heads", opts.prune_num_attention_heads)):
         if value is not None:
             flags += [flag, str(value)]
+    if opts.prune_num_attention_heads is not None:  # fewer heads of the teacher's width
+        flags += ["--kv-channels", str(args.kv_channels or args.hidden_size // args.num_attention_heads)]
     return flags + ["--kd-student-hf", opts.out]
 
 
@@ -104,9 +113,12 @@ def main(argv: list[str]) -> int:
                        dp_size=parallel_state.get_data_parallel_world_size(),
                        dp_group=parallel_state.get_data_parallel_group())
     targets = PruneTargets(num_layers=opts.prune_num_layers, num_experts=opts.prune_num_experts,
-                           ffn_hidden_size=opts.prune_ffn_hidden_size)
+                           ffn_hidden_size=opts.prune_ffn_hidden_size,
+                           num_attention_heads=opts.prune_num_attention_heads)
     kept = choose_kept(scores, targets, num_layers=args.num_layers, num_experts=args.num_experts,
-                       ffn_hidden_size=args.ffn_hidden_size, experts_per_token=args.moe_router_topk)
+                       ffn_hidden_size=args.ffn_hidden_size, experts_per_token=args.moe_router_topk,
+                       num_attention_heads=args.num_attention_heads,
+                       num_query_groups=args.num_query_groups if args.group_query_attention else None)
     if torch_rank() == 0:
         write_pruned_hf(args.kd_teacher_hf, opts.out, kept)
     print_rank_0(f"pruned {args.kd_teacher_hf} -> {opts.out} ({scores.tokens} calibration tokens): layers "

@@ -1,8 +1,10 @@
 """Which parts of the teacher a pruned student keeps, from importance scores and target sizes.
 
 ``choose_kept`` keeps the most important layer groups (in their original order), in each kept
-layer the experts with the most routing mass and the FFN channels with the largest norms (each
-set in ascending index order, so the student's weights are the teacher's rows in their order).
+layer the experts with the most routing mass, the FFN channels with the largest norms and the
+attention heads with the largest context norms, the same number in every query group so that the
+student's grouped-query layout stays (each set in ascending index order, so the student's weights
+are the teacher's rows in their order).
 Ties go to the lower index, so the same scores always give the same student.
 """
 
@@ -27,20 +29,23 @@ class PruneTargets:
     num_layers: int | None = None
     num_experts: int | None = None
     ffn_hidden_size: int | None = None
+    num_attention_heads: int | None = None
 
 
 @dataclass
 class KeptParts:
     """Teacher indices the student keeps: ``layers`` [L'] ascending; per kept layer (student order)
-    its ``experts`` and ``ffn`` channels (None: all of them)."""
+    its ``experts``, ``ffn`` channels and attention ``heads`` (None: all of them)."""
 
     layers: list[int]
     experts: list[list[int]] | None = None
     ffn: list[list[int]] | None = None
+    heads: list[list[int]] | None = None
     scores: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"layers": self.layers, "experts": self.experts, "ffn": self.ffn, "scores": self.scores}
+        return {"layers": self.layers, "experts": self.experts, "ffn": self.ffn, "heads": self.heads,
+                "scores": self.scores}
 
 
 def top_indices(scores: torch.Tensor, k: int) -> list[int]:
@@ -50,9 +55,11 @@ def top_indices(scores: torch.Tensor, k: int) -> list[int]:
 
 
 def choose_kept(scores: ImportanceScores, targets: PruneTargets, *, num_layers: int, num_experts: int | None,
-                ffn_hidden_size: int | None, experts_per_token: int | None = None) -> KeptParts:
+                ffn_hidden_size: int | None, experts_per_token: int | None = None,
+                num_attention_heads: int | None = None, num_query_groups: int | None = None) -> KeptParts:
     """The parts of a teacher of ``num_layers`` layers (``num_experts`` experts, FFN width
-    ``ffn_hidden_size``) that the student of ``targets`` keeps."""
+    ``ffn_hidden_size``, ``num_attention_heads`` heads in ``num_query_groups`` groups, None: one per
+    head) that the student of ``targets`` keeps."""
     g = scores.group_size
     layers = list(range(num_layers))
     if targets.num_layers is not None and targets.num_layers != num_layers:
@@ -77,4 +84,24 @@ def choose_kept(scores: ImportanceScores, targets: PruneTargets, *, num_layers: 
             raise PruneError(f"--prune-ffn-hidden-size {targets.ffn_hidden_size}: between 1 and the teacher's "
                              f"{ffn_hidden_size}")
         kept.ffn = [top_indices(scores.ffn[i], targets.ffn_hidden_size) for i in layers]
+    if targets.num_attention_heads is not None and targets.num_attention_heads != num_attention_heads:
+        kept.heads = _kept_heads(scores, targets.num_attention_heads, layers, num_attention_heads,
+                                 num_query_groups or num_attention_heads)
     return kept
+
+
+def _kept_heads(scores: ImportanceScores, target: int, layers: list[int], heads: int | None,
+                groups: int | None) -> list[list[int]]:
+    """Per kept layer the ``target // groups`` heads of each query group with the largest scores."""
+    if scores.heads is None or heads is None:
+        raise PruneError("--prune-num-attention-heads: no attention heads were seen in the calibration pass")
+    if groups == heads:  # each head its own key / value: cutting it would cut them too
+        raise PruneError(f"--prune-num-attention-heads: the teacher's {heads} heads have a key / value each "
+                         f"(no grouped-query attention); only grouped-query heads are cut yet")
+    if not 0 < target <= heads or target % groups:
+        raise PruneError(f"--prune-num-attention-heads {target}: a multiple of the teacher's {groups} query "
+                         f"groups up to its {heads} heads (each group keeps the same number of its "
+                         f"{heads // groups} heads)")
+    per_group, size = target // groups, heads // groups
+    return [[g * size + h for g in range(groups) for h in top_indices(scores.heads[i, g * size:(g + 1) * size],
+                                                                      per_group)] for i in layers]

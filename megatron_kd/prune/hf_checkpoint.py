@@ -10,10 +10,14 @@ experts are cut along their leading dimension only). The student then starts a r
 - experts (GPT-OSS): ``mlp.router.{weight,bias}`` rows and every ``mlp.experts.*`` tensor along
   its leading (expert) dimension;
 - FFN channels (Llama, Qwen3): rows of ``mlp.gate_proj`` and ``mlp.up_proj``, columns of
-  ``mlp.down_proj``.
+  ``mlp.down_proj``;
+- attention heads: each kept head's ``head_dim`` rows of ``self_attn.q_proj`` (weight and bias),
+  its columns of ``self_attn.o_proj`` and its ``self_attn.sinks`` entry (GPT-OSS); keys and values
+  stay (every query group keeps heads).
 
-config.json gets the student's ``num_hidden_layers``, ``layer_types``, ``num_local_experts`` and
-``intermediate_size``; the tokenizer and generation files are copied; ``prune.json`` records the
+config.json gets the student's ``num_hidden_layers``, ``layer_types``, ``num_local_experts``,
+``intermediate_size``, ``num_attention_heads`` and ``head_dim`` (explicit: fewer heads of the same
+width); the tokenizer and generation files are copied; ``prune.json`` records the
 scores and the kept indices.
 """
 
@@ -33,8 +37,21 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _COPIED = ("tokenizer", "special_tokens", "chat_template", "generation_config", "vocab", "merges")
 
 
-def _cut(name: str, t: torch.Tensor, experts: list[int] | None, ffn: list[int] | None) -> torch.Tensor:
+def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
+    """The rows (of q_proj; columns of o_proj) of ``heads``, head-major as Hugging Face lays them."""
+    return (torch.tensor(heads).view(-1, 1) * head_dim + torch.arange(head_dim)).flatten()
+
+
+def _cut(name: str, t: torch.Tensor, experts: list[int] | None, ffn: list[int] | None,
+         heads: list[int] | None = None, head_dim: int | None = None) -> torch.Tensor:
     """The part of one layer's tensor (``name`` after ``model.layers.{i}.``) the student keeps."""
+    if heads is not None:
+        if name in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
+            return t.index_select(0, head_rows(heads, head_dim)).contiguous()
+        if name == "self_attn.o_proj.weight":
+            return t.index_select(1, head_rows(heads, head_dim)).contiguous()
+        if name == "self_attn.sinks":
+            return t.index_select(0, torch.tensor(heads)).contiguous()
     if experts is not None and (name.startswith("mlp.experts.") or name.startswith("mlp.router.")):
         return t.index_select(0, torch.tensor(experts)).contiguous()
     if ffn is not None:
@@ -47,8 +64,9 @@ def _cut(name: str, t: torch.Tensor, experts: list[int] | None, ffn: list[int] |
     return t
 
 
-def pruned_state(tensors: dict[str, torch.Tensor], kept: KeptParts) -> dict[str, torch.Tensor]:
-    """The student's tensors from (part of) the teacher's, by Hugging Face name."""
+def pruned_state(tensors: dict[str, torch.Tensor], kept: KeptParts, head_dim: int | None = None) -> dict:
+    """The student's tensors from (part of) the teacher's, by Hugging Face name; ``head_dim``: the
+    attention's, needed when heads are cut."""
     new_index = {old: new for new, old in enumerate(kept.layers)}
     out = {}
     for name, t in tensors.items():
@@ -62,7 +80,8 @@ def pruned_state(tensors: dict[str, torch.Tensor], kept: KeptParts) -> dict[str,
         new = new_index[old]
         experts = kept.experts[new] if kept.experts is not None else None
         ffn = kept.ffn[new] if kept.ffn is not None else None
-        out[f"model.layers.{new}.{rest}"] = _cut(rest, t, experts, ffn)
+        heads = kept.heads[new] if kept.heads is not None else None
+        out[f"model.layers.{new}.{rest}"] = _cut(rest, t, experts, ffn, heads, head_dim)
     return out
 
 
@@ -85,7 +104,18 @@ def pruned_config(config: dict, kept: KeptParts) -> dict:
         if len(sizes) != 1:
             raise PruneError(f"every layer keeps the same FFN width, got {sorted(sizes)}")
         text["intermediate_size"] = sizes.pop()
+    if kept.heads is not None:
+        sizes = {len(h) for h in kept.heads}
+        if len(sizes) != 1:
+            raise PruneError(f"every layer keeps the same number of attention heads, got {sorted(sizes)}")
+        text["head_dim"] = head_dim_of(text)
+        text["num_attention_heads"] = sizes.pop()
     return config
+
+
+def head_dim_of(config: dict) -> int:
+    """The attention's head width of a Hugging Face (text) config: ``head_dim``, else hidden / heads."""
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
 def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptParts) -> Path:
@@ -98,11 +128,13 @@ def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptPart
     if not files:
         raise PruneError(f"{teacher_dir}: no *.safetensors files (the teacher's Hugging Face weights)")
     out_dir.mkdir(parents=True, exist_ok=True)
+    teacher_config = json.loads((teacher_dir / "config.json").read_text())
+    head_dim = head_dim_of(teacher_config.get("text_config", teacher_config))
     weight_map, total = {}, 0
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             metadata = st.metadata() or {"format": "pt"}
-            part = pruned_state({k: st.get_tensor(k) for k in st.keys()}, kept)
+            part = pruned_state({k: st.get_tensor(k) for k in st.keys()}, kept, head_dim)
         if part:
             save_file(part, str(out_dir / f.name), metadata=metadata)
             weight_map.update({k: f.name for k in part})
@@ -110,7 +142,7 @@ def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptPart
     if (teacher_dir / "model.safetensors.index.json").is_file():
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = pruned_config(json.loads((teacher_dir / "config.json").read_text()), kept)
+    config = pruned_config(teacher_config, kept)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     for f in teacher_dir.iterdir():
         if f.is_file() and f.name.startswith(_COPIED):

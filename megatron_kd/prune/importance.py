@@ -12,7 +12,9 @@ gathered over tensor-parallel ones):
 - an expert: its routing mass, the sum over tokens of the router's weight on it (the probabilities
   the expert outputs are multiplied by; zero where it is not among the token's top k);
 - an FFN channel (dense MLP layers): the L2 norm over tokens of its activation, the input of
-  ``linear_fc2`` (Minitron, Muralidharan et al. 2024).
+  ``linear_fc2`` (Minitron, Muralidharan et al. 2024);
+- an attention head: the L2 norm over tokens of its context, its slice of ``linear_proj``'s input
+  (Minitron's head score).
 
 nvidia-modelopt's Minitron pruning (``modelopt.torch.prune``, mode ``mcore_minitron``) computes the
 same kind of scores, but imports Transformer Engine at module load and converts TE modules; the
@@ -36,6 +38,7 @@ class ImportanceScores:
     experts: torch.Tensor | None  # [L, E] routing mass, or None without MoE
     ffn: torch.Tensor | None  # [L, F] channel L2 norms, or None without dense MLP layers
     tokens: int  # calibration tokens seen (all data-parallel ranks)
+    heads: torch.Tensor | None = None  # [L, heads] context L2 norms, or None where no attention was seen
 
     def to_dict(self) -> dict:
         out = {"group_size": self.group_size, "tokens": self.tokens, "layer_groups": self.layer_groups.tolist()}
@@ -43,6 +46,8 @@ class ImportanceScores:
             out["experts"] = self.experts.tolist()
         if self.ffn is not None:
             out["ffn"] = self.ffn.tolist()
+        if self.heads is not None:
+            out["heads"] = self.heads.tolist()
         return out
 
 
@@ -77,6 +82,7 @@ class ImportanceCollector:
         self.tokens = 0
         self.expert_mass: list[torch.Tensor | None] = [None] * n
         self.ffn_sq: list[torch.Tensor | None] = [None] * n
+        self.head_sq: list[torch.Tensor | None] = [None] * n
         self._group_input: torch.Tensor | None = None
         self._handles = []
 
@@ -110,6 +116,13 @@ class ImportanceCollector:
             self.ffn_sq[index] = sq if self.ffn_sq[index] is None else self.ffn_sq[index] + sq
         return hook
 
+    def _proj_pre(self, index, head_dim: int):
+        def hook(module, args):
+            context = args[0].detach()
+            sq = context.reshape(-1, context.shape[-1] // head_dim, head_dim).double().square().sum((0, 2)).cpu()
+            self.head_sq[index] = sq if self.head_sq[index] is None else self.head_sq[index] + sq
+        return hook
+
     def __enter__(self) -> "ImportanceCollector":
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(self._layer_pre(i), with_kwargs=True))
@@ -119,6 +132,10 @@ class ImportanceCollector:
                 self._handles.append(router.register_forward_hook(self._router_post(i)))
             elif hasattr(layer.mlp, "linear_fc2"):
                 self._handles.append(layer.mlp.linear_fc2.register_forward_pre_hook(self._fc2_pre(i)))
+            attention = getattr(layer, "self_attention", None)
+            if attention is not None and hasattr(attention, "linear_proj"):
+                self._handles.append(attention.linear_proj.register_forward_pre_hook(
+                    self._proj_pre(i, attention.hidden_size_per_attention_head)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -141,23 +158,29 @@ class ImportanceCollector:
         if tokens == 0:
             raise ValueError("no calibration tokens were seen: run the model's forward inside the collector")
         cos = self._sum_over(self.cos_sum, self.dp_group)
-        experts = ffn = None
+        experts = None
         if any(m is not None for m in self.expert_mass):
             experts = torch.stack([self._sum_over(m, self.dp_group) for m in self.expert_mass])
-        if any(f is not None for f in self.ffn_sq):
-            per_layer = []
-            for sq in self.ffn_sq:
-                sq = self._sum_over(sq, self.dp_group)
-                if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
-                    # linear_fc2's input is split over tensor-parallel ranks in contiguous blocks, rank order
-                    sq = sq.to(_device_of(self.tp_group))
-                    parts = [torch.empty_like(sq) for _ in range(dist.get_world_size(self.tp_group))]
-                    dist.all_gather(parts, sq, group=self.tp_group)
-                    sq = torch.cat(parts).cpu()
-                per_layer.append(sq.sqrt())
-            ffn = torch.stack(per_layer)
+        ffn, heads = self._norms(self.ffn_sq), self._norms(self.head_sq)
         return ImportanceScores(layer_groups=1 - cos / tokens, group_size=self.group_size, experts=experts,
-                                ffn=ffn, tokens=tokens)
+                                ffn=ffn, tokens=tokens, heads=heads)
+
+    def _norms(self, sums: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """[L, N] L2 norms from per-layer sums of squares over this rank's tokens and its tensor-parallel
+        share (linear_fc2's and linear_proj's inputs are split over TP ranks in contiguous blocks, rank
+        order: FFN channels, attention heads)."""
+        if all(sq is None for sq in sums):
+            return None
+        per_layer = []
+        for sq in sums:
+            sq = self._sum_over(sq, self.dp_group)
+            if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+                sq = sq.to(_device_of(self.tp_group))
+                parts = [torch.empty_like(sq) for _ in range(dist.get_world_size(self.tp_group))]
+                dist.all_gather(parts, sq, group=self.tp_group)
+                sq = torch.cat(parts).cpu()
+            per_layer.append(sq.sqrt())
+        return torch.stack(per_layer)
 
 
 def calibrate(teacher, dataset, *, num_samples: int, micro_batch_size: int, group_size: int, dp_rank: int = 0,

@@ -10,7 +10,11 @@ then loads the returned dict with ``strict=True``.
 - experts: ``mlp.router.weight`` / ``mlp.router.expert_bias`` rows, ``mlp.experts.local_experts.{e}.*``
   renumbered;
 - FFN channels (dense MLP layers): rows of ``mlp.linear_fc1`` (in a gated unit both halves, gate
-  and linear, as megatron-core's GLU splits fc1's output) and its bias, columns of ``mlp.linear_fc2``.
+  and linear, as megatron-core's GLU splits fc1's output) and its bias, columns of ``mlp.linear_fc2``;
+- attention heads: in ``self_attention.linear_qkv`` (megatron-core's fused layout, per query group
+  its heads' queries, then its key and its value) the kept heads' query rows and every group's key
+  and value rows; the kept heads' columns of ``linear_proj``; their ``core_attention.softmax_offset``
+  entries (sinks).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 import torch
 
 from megatron_kd.prune.cuts import KeptParts, PruneError
+from megatron_kd.prune.hf_checkpoint import head_rows
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -31,11 +36,34 @@ def _ffn_rows(channels: list[int], width: int, gated: bool) -> torch.Tensor:
     return torch.cat([rows, rows + width]) if gated else rows
 
 
-def _cut(name: str, t, experts: list[int] | None, ffn: list[int] | None, gated: bool):
+def qkv_rows(heads: list[int], num_heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    """Rows of megatron-core's fused linear_qkv that a student keeping ``heads`` (of ``num_heads`` in
+    ``groups`` query groups; each group keeps heads) keeps: per group, its kept heads' queries, its
+    key, its value."""
+    per_group = num_heads // groups
+    rows = []
+    for g in range(groups):
+        base = g * (per_group + 2) * head_dim
+        mine = [h % per_group for h in heads if h // per_group == g]
+        rows += [base + r for r in head_rows(mine, head_dim).tolist()]
+        rows += range(base + per_group * head_dim, base + (per_group + 2) * head_dim)
+    return torch.tensor(rows)
+
+
+def _cut(name: str, t, experts: list[int] | None, ffn: list[int] | None, gated: bool,
+         heads: list[int] | None = None, attention: tuple[int, int, int] | None = None):
     """The part of one layer's entry (``name`` after ``decoder.layers.{i}.``) the student keeps;
-    None when it is dropped (an expert not kept)."""
+    ``attention``: the teacher's (heads, query groups, head dim) where ``heads`` are cut."""
     if not isinstance(t, torch.Tensor):
         return t  # _extra_state entries
+    if heads is not None:
+        num_heads, groups, head_dim = attention
+        if name in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+            return t.index_select(0, qkv_rows(heads, num_heads, groups, head_dim)).contiguous()
+        if name == "self_attention.linear_proj.weight":
+            return t.index_select(1, head_rows(heads, head_dim)).contiguous()
+        if name == "self_attention.core_attention.softmax_offset":
+            return t.index_select(0, torch.tensor(heads)).contiguous()
     if experts is not None and name in ("mlp.router.weight", "mlp.router.expert_bias"):
         return t.index_select(0, torch.tensor(experts)).contiguous()
     if ffn is None:
@@ -50,9 +78,13 @@ def _cut(name: str, t, experts: list[int] | None, ffn: list[int] | None, gated: 
     return t
 
 
-def pruned_megatron_state(state: dict, kept: KeptParts, *, gated: bool) -> dict:
+def pruned_megatron_state(state: dict, kept: KeptParts, *, gated: bool,
+                          attention: tuple[int, int, int] | None = None) -> dict:
     """The student's state dict from the teacher's (megatron-core GPTModel, TP = 1); ``gated``: the
-    MLP is a gated linear unit (``config.gated_linear_unit``)."""
+    MLP is a gated linear unit (``config.gated_linear_unit``); ``attention``: the teacher's (heads,
+    query groups, head dim), needed when heads are cut."""
+    if kept.heads is not None and attention is None:
+        raise ValueError("cutting attention heads needs the teacher's (heads, query groups, head dim)")
     new_layer = {old: new for new, old in enumerate(kept.layers)}
     out = {}
     for name, t in state.items():
@@ -66,10 +98,11 @@ def pruned_megatron_state(state: dict, kept: KeptParts, *, gated: bool) -> dict:
         i = new_layer[old]
         experts = kept.experts[i] if kept.experts is not None else None
         ffn = kept.ffn[i] if kept.ffn is not None else None
+        heads = kept.heads[i] if kept.heads is not None else None
         e = _LOCAL_EXPERT.match(rest)
         if e is not None and experts is not None:
             if int(e.group(1)) not in experts:
                 continue
             rest = f"mlp.experts.local_experts.{experts.index(int(e.group(1)))}.{e.group(2)}"
-        out[f"decoder.layers.{i}.{rest}"] = _cut(rest, t, experts, ffn, gated)
+        out[f"decoder.layers.{i}.{rest}"] = _cut(rest, t, experts, ffn, gated, heads, attention)
     return out

@@ -7,12 +7,14 @@ calibration -> cuts -> student path on a Megatron GPT-OSS teacher.
 3. each cut computes what the teacher computes with the cut part switched off (transformers, fp32):
    experts pruned = the teacher with those experts' router logits at -1e4 (never in a top-k);
    layers pruned = the teacher with those layers taken out; FFN channels pruned = the teacher with
-   those channels' down_proj columns zeroed
+   those channels' down_proj columns zeroed; attention heads pruned (Llama, GPT-OSS with sinks) =
+   the teacher with those heads' o_proj columns zeroed
 4. a Megatron GPT-OSS teacher's calibration pass, the cuts it chooses and the student Megatron
    builds from the pruned directory with the student's flags, against transformers on that directory
-5. the same cuts on a megatron-core model's state dict (plain and gated MLP): the student built with
-   the student's sizes loads it strictly and computes the teacher with those layers taken out and
-   those channels' linear_fc2 columns zeroed
+5. the same cuts on a megatron-core model's state dict (plain and gated MLP, grouped-query
+   attention): the student built with the student's sizes loads it strictly and computes the
+   teacher with those layers taken out, those channels' linear_fc2 columns and those heads'
+   linear_proj columns zeroed
 """
 
 import math
@@ -52,18 +54,24 @@ class _Router(nn.Module):
 
 class _Layer(nn.Module):
     """out = hidden @ turn; a MoE layer (router with fixed probs) or a dense one (linear_fc2 fed
-    with fixed activations)."""
+    with fixed activations); with ``context`` an attention whose linear_proj is fed it."""
 
-    def __init__(self, turn, probs=None, act=None):
+    def __init__(self, turn, probs=None, act=None, context=None, head_dim=None):
         super().__init__()
-        self.turn, self.act = turn, act
+        self.turn, self.act, self.context = turn, act, context
         self.mlp = nn.Module()
         if probs is not None:
             self.mlp.router = _Router(probs)
         else:
             self.mlp.linear_fc2 = nn.Linear(act.shape[-1], 2, bias=False)
+        if context is not None:
+            self.self_attention = nn.Module()
+            self.self_attention.linear_proj = nn.Linear(context.shape[-1], 2, bias=False)
+            self.self_attention.hidden_size_per_attention_head = head_dim
 
     def forward(self, hidden_states):
+        if self.context is not None:
+            self.self_attention.linear_proj(self.context)
         if hasattr(self.mlp, "router"):
             self.mlp.router(hidden_states)
         else:
@@ -115,11 +123,23 @@ def test_scores_and_choices_by_hand():
     assert kept.experts == [[0, 1], [1, 2]]  # layer 1: 0.8, 1.6, 1.6: the tie at 1.6 keeps both, 0 goes
 
     act = torch.tensor([[[1.0, 2.0, 0.0]], [[-2.0, 0.0, 3.0]]])  # [s, b, F]: channel norms √5, 2, 3
-    dense = _stack([_Layer(torch.eye(2), act=act)])
+    # [s, b, heads · d], 4 heads of 2: head norms √(1 + 4 + 4), √1, √(9 + 16), √(4 + 1 + 1)
+    context = torch.tensor([[[1.0, 2.0, 1.0, 0.0, 3.0, 0.0, 2.0, 1.0]], [[0.0, 2.0, 0.0, 0.0, 0.0, 4.0, 0.0, 1.0]]])
+    dense = _stack([_Layer(torch.eye(2), act=act, context=context, head_dim=2)])
     with ImportanceCollector(dense) as collector:
         _run(dense, hidden)
     scores = collector.scores()
     torch.testing.assert_close(scores.ffn, torch.tensor([[math.sqrt(5), 2.0, 3.0]], dtype=torch.float64))
+    torch.testing.assert_close(scores.heads, torch.tensor([[3.0, 1.0, 5.0, math.sqrt(6)]], dtype=torch.float64))
+    # two query groups of two heads: each keeps its larger one
+    assert choose_kept(scores, PruneTargets(num_attention_heads=2), num_layers=1, num_experts=None, ffn_hidden_size=3,
+                       num_attention_heads=4, num_query_groups=2).heads == [[0, 2]]
+    with pytest.raises(PruneError, match="only grouped-query heads"):  # multi-head: one key / value per head
+        choose_kept(scores, PruneTargets(num_attention_heads=2), num_layers=1, num_experts=None, ffn_hidden_size=3,
+                    num_attention_heads=4)
+    with pytest.raises(PruneError, match="a multiple of the teacher's 2 query groups"):
+        choose_kept(scores, PruneTargets(num_attention_heads=3), num_layers=1, num_experts=None, ffn_hidden_size=3,
+                    num_attention_heads=4, num_query_groups=2)
     assert choose_kept(scores, PruneTargets(ffn_hidden_size=2), num_layers=1, num_experts=None,
                        ffn_hidden_size=3).ffn == [[0, 2]]
     for targets, match in [(PruneTargets(num_experts=2), "no experts"), (PruneTargets(ffn_hidden_size=4), "between"),
@@ -187,6 +207,26 @@ def test_pruned_layers_and_channels_are_the_teacher_without_them(tmp_path, seed)
                         KeptParts(layers=[0, 1], ffn=[[0], [0]]))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_pruned_heads_are_the_teacher_without_them(tmp_path, seed, arch):
+    """4 query heads over 2 key/value groups, one head kept per group: the teacher with the other
+    heads' o_proj columns zeroed (GPT-OSS: their sinks go with them)."""
+    teacher_dir = (make_tiny("llama", tmp_path / "teacher", seed=seed) if arch == "llama"
+                   else make_tiny_gpt_oss(tmp_path / "teacher", seed=seed))
+    teacher = _transformers(teacher_dir)
+    head_dim, layers = teacher.config.head_dim, teacher.config.num_hidden_layers
+    kept = KeptParts(layers=list(range(layers)), heads=[[1, 2], [0, 3]] + [[1, 2]] * (layers - 2))
+    student = _transformers(write_pruned_hf(teacher_dir, tmp_path / "student", kept))
+    assert student.config.num_attention_heads == 2 and student.config.head_dim == head_dim
+    with torch.no_grad():
+        for layer, keep in zip(teacher.model.layers, kept.heads):
+            for h in set(range(4)) - set(keep):
+                layer.self_attn.o_proj.weight[:, h * head_dim:(h + 1) * head_dim] = 0.0
+        tokens = _tokens(seed, GPT_OSS_SEQ)
+        assert rel_err(student(input_ids=tokens, use_cache=False).logits,
+                       teacher(input_ids=tokens, use_cache=False).logits) < TOL
+
+
 # ------------------------------------------------------------------------ 4. the whole path on gloo
 def _calibration_worker(rank, world, tmp, seed):
     from megatron_kd.prune import calibrate
@@ -234,11 +274,12 @@ def test_prune_command_mistakes_are_one_line(tmp_path, capsys):
     assert main(["prune", "--help"]) == 0
     out = capsys.readouterr().out
     assert all(flag in out for flag in ("--prune-num-experts", "--prune-num-layers", "--prune-ffn-hidden-size",
-                                        "--prune-calib-samples", "--out"))
+                                        "--prune-num-attention-heads", "--prune-calib-samples", "--out"))
     for argv, message in [
         (["--prune-num-experts", "2"], "prune needs --out DIR"),
         (["--out", "x"], "prune needs a target"),
         (["--out", "x", "--prune-num-layers", "0"], "--prune-num-layers must be >= 1, got 0"),
+        (["--out", "x", "--prune-num-attention-heads", "0"], "--prune-num-attention-heads must be >= 1, got 0"),
         (["--out", "x", "--prune-num-experts", "two"], "--prune-num-experts: invalid int value"),
         (["--out", "x", "--prune-num-experts", "2", "--num-layers", "2"], "missing required flags: --hidden-size"),
         (["--out", "x", "--prune-num-experts", "2", *no_teacher], "prune cuts a Hugging Face teacher: --kd-teacher-hf"),
@@ -273,13 +314,14 @@ def test_student_copy_of_the_tokenizer_reads_the_teachers_cache(tmp_path):
 
 
 # ------------------------------------------------------------------- 5. a megatron-core state dict
-def _megatron_gpt(layers: int, ffn: int, gated: bool, seed: int):
+def _megatron_gpt(layers: int, ffn: int, gated: bool, seed: int, heads: int = 4):
     from megatron.core.transformer import TransformerConfig
 
     from megatron_kd.models.gpt import build_gpt_model
 
     torch.manual_seed(seed)
-    cfg = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, ffn_hidden_size=ffn,
+    cfg = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=heads, num_query_groups=2,
+                            kv_channels=8, ffn_hidden_size=ffn,
                             gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu,
                             use_cpu_initialization=True, params_dtype=torch.float32, attention_dropout=0.0,
                             hidden_dropout=0.0, init_method_std=0.3)
@@ -294,16 +336,20 @@ def _megatron_state_worker(rank, world, seed, gated):
 
         parallel_state.initialize_model_parallel()
         teacher = _megatron_gpt(4, 48, gated, seed)
-        kept = KeptParts(layers=[0, 2, 3], ffn=[list(range(0, 48, 2)), list(range(24)), list(range(24, 48))])
-        student = _megatron_gpt(3, 24, gated, seed + 1)
-        student.load_state_dict(pruned_megatron_state(teacher.state_dict(), kept, gated=gated), strict=True)
+        kept = KeptParts(layers=[0, 2, 3], ffn=[list(range(0, 48, 2)), list(range(24)), list(range(24, 48))],
+                         heads=[[1, 2], [0, 3], [0, 2]])  # one of each group's two heads
+        student = _megatron_gpt(3, 24, gated, seed + 1, heads=2)
+        student.load_state_dict(pruned_megatron_state(teacher.state_dict(), kept, gated=gated, attention=(4, 2, 8)),
+                                strict=True)
         tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
         positions = torch.arange(16).expand(2, 16)
         with torch.no_grad():
             teacher.decoder.layers = nn.ModuleList(teacher.decoder.layers[i] for i in kept.layers)
-            for layer, keep in zip(teacher.decoder.layers, kept.ffn):
+            for layer, keep, heads in zip(teacher.decoder.layers, kept.ffn, kept.heads):
                 gone = [c for c in range(48) if c not in keep]
                 layer.mlp.linear_fc2.weight[:, gone] = 0.0
+                for h in set(range(4)) - set(heads):
+                    layer.self_attention.linear_proj.weight[:, h * 8:(h + 1) * 8] = 0.0
             ours, theirs = student(tokens, positions, None), teacher(tokens, positions, None)
         assert rel_err(ours, theirs) < TOL, rel_err(ours, theirs)
         with pytest.raises(PruneError, match="expert FFN widths"):
@@ -314,3 +360,15 @@ def _megatron_state_worker(rank, world, seed, gated):
 @pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
 def test_pruned_megatron_state_is_the_teacher_without_the_cut_parts(seed, gated):
     spawn(_megatron_state_worker, seed, gated, world_size=1)
+
+
+def test_student_flags_keep_the_head_width():
+    from types import SimpleNamespace
+
+    from megatron_kd.prune.command import student_flags
+
+    args = SimpleNamespace(kv_channels=None, hidden_size=3072, num_attention_heads=24)  # Llama-3.2-3B: 128 wide
+    opts = SimpleNamespace(prune_num_layers=None, prune_num_experts=None, prune_ffn_hidden_size=4096,
+                           prune_num_attention_heads=16, out="/models/student")
+    assert student_flags(args, opts) == ["--ffn-hidden-size", "4096", "--num-attention-heads", "16",
+                                         "--kv-channels", "128", "--kd-student-hf", "/models/student"]
