@@ -11,6 +11,7 @@ calibration -> cuts -> student path on a Megatron GPT-OSS teacher.
    the teacher with those heads' o_proj columns zeroed
 4. a Megatron GPT-OSS teacher's calibration pass, the cuts it chooses and the student Megatron
    builds from the pruned directory with the student's flags, against transformers on that directory
+   (an experts cut; a heads cut with --num-attention-heads / --kv-channels as prune prints them)
 5. the same cuts on a megatron-core model's state dict (plain and gated MLP, grouped-query
    attention): the student built with the student's sizes loads it strictly and computes the
    teacher with those layers taken out, those channels' linear_fc2 columns and those heads'
@@ -372,3 +373,19 @@ def test_student_flags_keep_the_head_width():
                            prune_num_attention_heads=16, out="/models/student")
     assert student_flags(args, opts) == ["--ffn-hidden-size", "4096", "--num-attention-heads", "16",
                                          "--kv-channels", "128", "--kd-student-hf", "/models/student"]
+
+
+def _fewer_heads_worker(rank, world, tmp, seed):
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    with megatron_cpu_patches():
+        teacher_dir = make_tiny_gpt_oss(Path(tmp) / "teacher", seed=seed)  # 4 heads over 2 groups, of 16
+        student_dir = write_pruned_hf(teacher_dir, Path(tmp) / "student", KeptParts(layers=[0, 1],
+                                                                                     heads=[[0, 3], [1, 2]]))
+        # the student run: the teacher's flags with what prune prints for a heads cut
+        _, student = build_student(tiny_flags(student_dir, "--num-attention-heads", "2", "--kv-channels", "16"))
+        tokens = torch.randint(0, TOKENIZER_TOKENS, (2, GPT_OSS_SEQ), generator=torch.Generator().manual_seed(seed))
+        assert rel_err(megatron_logits(student.eval(), tokens), reference_logits(student_dir, tokens)) < 1e-4
+
+
+def test_a_student_with_fewer_heads_imports_into_megatron(tmp_path, seed):
+    spawn(_fewer_heads_worker, str(tmp_path), seed, world_size=1)
