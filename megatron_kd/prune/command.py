@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     from megatron_kd.megatron.train import (build_datasets, check_megatron_flags, check_megatron_run, model_provider,
                                             parse_megatron_args)
     from megatron_kd.models.hf import init_from_hf
-    from megatron_kd.prune import PruneTargets, calibrate, choose_kept, write_pruned_hf
+    from megatron_kd.prune import PruneTargets, calibrate, check_targets, choose_kept, write_pruned_hf
     from megatron_kd.teacher.sources import MegatronTeacher
 
     opts, megatron_argv = prune_options(argv)
@@ -99,6 +99,16 @@ def main(argv: list[str]) -> int:
     if args.pipeline_model_parallel_size > 1:
         raise FlagError("prune runs the teacher with --pipeline-model-parallel-size 1 (use tensor / expert "
                         "parallelism to fit it)")
+    targets = PruneTargets(num_layers=opts.prune_num_layers, num_experts=opts.prune_num_experts,
+                           ffn_hidden_size=opts.prune_ffn_hidden_size,
+                           num_attention_heads=opts.prune_num_attention_heads)
+    teacher_sizes = dict(num_layers=args.num_layers, num_experts=args.num_experts,
+                         experts_per_token=args.moe_router_topk,
+                         # every layer of an MoE teacher is MoE: no dense MLP width to cut
+                         ffn_hidden_size=None if args.num_experts else args.ffn_hidden_size,
+                         num_attention_heads=args.num_attention_heads,
+                         num_query_groups=args.num_query_groups if args.group_query_attention else None)
+    check_targets(targets, group_size=layer_group_size(args), **teacher_sizes)  # a bad cut: before any work
     initialize_megatron()
     (train, _, _), tokenizer = build_datasets(list(get_train_valid_test_num_samples()),
                                               is_built_on_rank=lambda *a, **k: True)
@@ -112,13 +122,7 @@ def main(argv: list[str]) -> int:
                        dp_rank=parallel_state.get_data_parallel_rank(),
                        dp_size=parallel_state.get_data_parallel_world_size(),
                        dp_group=parallel_state.get_data_parallel_group())
-    targets = PruneTargets(num_layers=opts.prune_num_layers, num_experts=opts.prune_num_experts,
-                           ffn_hidden_size=opts.prune_ffn_hidden_size,
-                           num_attention_heads=opts.prune_num_attention_heads)
-    kept = choose_kept(scores, targets, num_layers=args.num_layers, num_experts=args.num_experts,
-                       ffn_hidden_size=args.ffn_hidden_size, experts_per_token=args.moe_router_topk,
-                       num_attention_heads=args.num_attention_heads,
-                       num_query_groups=args.num_query_groups if args.group_query_attention else None)
+    kept = choose_kept(scores, targets, **teacher_sizes)
     if torch_rank() == 0:
         write_pruned_hf(args.kd_teacher_hf, opts.out, kept)
     print_rank_0(f"pruned {args.kd_teacher_hf} -> {opts.out} ({scores.tokens} calibration tokens): layers "

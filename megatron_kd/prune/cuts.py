@@ -54,54 +54,73 @@ def top_indices(scores: torch.Tensor, k: int) -> list[int]:
     return sorted(order[:k])
 
 
-def choose_kept(scores: ImportanceScores, targets: PruneTargets, *, num_layers: int, num_experts: int | None,
-                ffn_hidden_size: int | None, experts_per_token: int | None = None,
-                num_attention_heads: int | None = None, num_query_groups: int | None = None) -> KeptParts:
-    """The parts of a teacher of ``num_layers`` layers (``num_experts`` experts, FFN width
-    ``ffn_hidden_size``, ``num_attention_heads`` heads in ``num_query_groups`` groups, None: one per
-    head) that the student of ``targets`` keeps."""
-    g = scores.group_size
-    layers = list(range(num_layers))
-    if targets.num_layers is not None and targets.num_layers != num_layers:
-        if not 0 < targets.num_layers <= num_layers or targets.num_layers % g:
-            raise PruneError(f"--prune-num-layers {targets.num_layers}: the teacher has {num_layers} layers, dropped "
-                             f"in groups of {g}" + (" (window / full-attention pairs)" if g > 1 else ""))
-        groups = top_indices(scores.layer_groups, targets.num_layers // g)
-        layers = [grp * g + j for grp in groups for j in range(g)]
-    kept = KeptParts(layers=layers, scores=scores.to_dict())
-    if targets.num_experts is not None and targets.num_experts != num_experts:
-        if scores.experts is None:
-            raise PruneError("--prune-num-experts: the teacher has no experts (no router was seen)")
+def check_targets(targets: PruneTargets, *, num_layers: int, group_size: int = 1, num_experts: int | None = None,
+                  experts_per_token: int | None = None, ffn_hidden_size: int | None = None,
+                  num_attention_heads: int | None = None, num_query_groups: int | None = None) -> None:
+    """One ``PruneError`` line for the first target a teacher of these sizes cannot meet (``prune``
+    calls it before any work; ``choose_kept`` again). ``num_experts`` None: no MoE layers;
+    ``ffn_hidden_size`` None: no dense MLP layers; ``num_query_groups`` None: one per head."""
+    g = group_size
+    if targets.num_layers is not None and not (0 < targets.num_layers <= num_layers and targets.num_layers % g == 0):
+        raise PruneError(f"--prune-num-layers {targets.num_layers}: the teacher has {num_layers} layers, dropped "
+                         f"in groups of {g}" + (" (window / full-attention pairs)" if g > 1 else ""))
+    if targets.num_experts is not None:
+        if num_experts is None:
+            raise PruneError("--prune-num-experts: the teacher has no experts")
         if not (experts_per_token or 1) <= targets.num_experts <= num_experts:
             raise PruneError(f"--prune-num-experts {targets.num_experts}: between the router's top-k "
                              f"{experts_per_token} and the teacher's {num_experts} experts")
-        kept.experts = [top_indices(scores.experts[i], targets.num_experts) for i in layers]
-    if targets.ffn_hidden_size is not None and targets.ffn_hidden_size != ffn_hidden_size:
-        if scores.ffn is None:
+    if targets.ffn_hidden_size is not None:
+        if ffn_hidden_size is None:
             raise PruneError("--prune-ffn-hidden-size: the teacher has no dense MLP layers (expert widths are "
                              "not pruned yet)")
         if not 0 < targets.ffn_hidden_size <= ffn_hidden_size:
             raise PruneError(f"--prune-ffn-hidden-size {targets.ffn_hidden_size}: between 1 and the teacher's "
                              f"{ffn_hidden_size}")
+    if targets.num_attention_heads is not None:
+        heads, target = num_attention_heads, targets.num_attention_heads
+        groups = num_query_groups or num_attention_heads
+        if heads is None:
+            raise PruneError("--prune-num-attention-heads: the teacher has no attention heads")
+        if groups == heads:  # each head its own key / value: cutting it would cut them too
+            raise PruneError(f"--prune-num-attention-heads: the teacher's {heads} heads have a key / value each "
+                             f"(no grouped-query attention); only grouped-query heads are cut yet")
+        if not 0 < target <= heads or target % groups:
+            raise PruneError(f"--prune-num-attention-heads {target}: a multiple of the teacher's {groups} query "
+                             f"groups up to its {heads} heads (each group keeps the same number of its "
+                             f"{heads // groups} heads)")
+
+
+def choose_kept(scores: ImportanceScores, targets: PruneTargets, *, num_layers: int, num_experts: int | None,
+                ffn_hidden_size: int | None, experts_per_token: int | None = None,
+                num_attention_heads: int | None = None, num_query_groups: int | None = None) -> KeptParts:
+    """The parts of a teacher of ``num_layers`` layers (``num_experts`` experts, FFN width
+    ``ffn_hidden_size``, ``num_attention_heads`` heads in ``num_query_groups`` groups, None: one per
+    head) that the student of ``targets`` keeps (``check_targets`` first; then what the calibration
+    pass saw: no router, no dense MLP or no attention seen where a target needs it is one line too)."""
+    g = scores.group_size
+    check_targets(targets, num_layers=num_layers, group_size=g, num_experts=num_experts,
+                  experts_per_token=experts_per_token, ffn_hidden_size=ffn_hidden_size,
+                  num_attention_heads=num_attention_heads, num_query_groups=num_query_groups)
+    layers = list(range(num_layers))
+    if targets.num_layers is not None and targets.num_layers != num_layers:
+        groups = top_indices(scores.layer_groups, targets.num_layers // g)
+        layers = [grp * g + j for grp in groups for j in range(g)]
+    kept = KeptParts(layers=layers, scores=scores.to_dict())
+    for target, teacher, seen, name in ((targets.num_experts, num_experts, scores.experts, "--prune-num-experts"),
+                                        (targets.ffn_hidden_size, ffn_hidden_size, scores.ffn,
+                                         "--prune-ffn-hidden-size"),
+                                        (targets.num_attention_heads, num_attention_heads, scores.heads,
+                                         "--prune-num-attention-heads")):
+        if target is not None and target != teacher and seen is None:
+            raise PruneError(f"{name}: the calibration pass saw no such part of the teacher")
+    if targets.num_experts is not None and targets.num_experts != num_experts:
+        kept.experts = [top_indices(scores.experts[i], targets.num_experts) for i in layers]
+    if targets.ffn_hidden_size is not None and targets.ffn_hidden_size != ffn_hidden_size:
         kept.ffn = [top_indices(scores.ffn[i], targets.ffn_hidden_size) for i in layers]
     if targets.num_attention_heads is not None and targets.num_attention_heads != num_attention_heads:
-        kept.heads = _kept_heads(scores, targets.num_attention_heads, layers, num_attention_heads,
-                                 num_query_groups or num_attention_heads)
+        groups = num_query_groups or num_attention_heads
+        per_group, size = targets.num_attention_heads // groups, num_attention_heads // groups
+        kept.heads = [[grp * size + h for grp in range(groups)
+                       for h in top_indices(scores.heads[i, grp * size:(grp + 1) * size], per_group)] for i in layers]
     return kept
-
-
-def _kept_heads(scores: ImportanceScores, target: int, layers: list[int], heads: int | None,
-                groups: int | None) -> list[list[int]]:
-    """Per kept layer the ``target // groups`` heads of each query group with the largest scores."""
-    if scores.heads is None or heads is None:
-        raise PruneError("--prune-num-attention-heads: no attention heads were seen in the calibration pass")
-    if groups == heads:  # each head its own key / value: cutting it would cut them too
-        raise PruneError(f"--prune-num-attention-heads: the teacher's {heads} heads have a key / value each "
-                         f"(no grouped-query attention); only grouped-query heads are cut yet")
-    if not 0 < target <= heads or target % groups:
-        raise PruneError(f"--prune-num-attention-heads {target}: a multiple of the teacher's {groups} query "
-                         f"groups up to its {heads} heads (each group keeps the same number of its "
-                         f"{heads // groups} heads)")
-    per_group, size = target // groups, heads // groups
-    return [[g * size + h for g in range(groups) for h in top_indices(scores.heads[i, g * size:(g + 1) * size],
-                                                                      per_group)] for i in layers]

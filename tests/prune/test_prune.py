@@ -19,6 +19,7 @@ calibration -> cuts -> student path on a Megatron GPT-OSS teacher.
 """
 
 import math
+import re
 import os
 import sys
 from pathlib import Path
@@ -389,3 +390,24 @@ def _fewer_heads_worker(rank, world, tmp, seed):
 
 def test_a_student_with_fewer_heads_imports_into_megatron(tmp_path, seed):
     spawn(_fewer_heads_worker, str(tmp_path), seed, world_size=1)
+
+
+def test_bad_cuts_of_the_120b_teacher_are_one_line_before_any_work():
+    """What ``prune`` checks before it builds the teacher (GPT-OSS-120B's sizes: 36 layers in window /
+    full pairs, 128 experts, top-4, 64 query heads over 8 groups, no dense MLP)."""
+    from megatron_kd.prune import check_targets
+
+    teacher = dict(num_layers=36, group_size=2, num_experts=128, experts_per_token=4, ffn_hidden_size=None,
+                   num_attention_heads=64, num_query_groups=8)
+    check_targets(PruneTargets(num_layers=24, num_experts=64, num_attention_heads=32), **teacher)  # fine
+    for targets, message in [
+        (PruneTargets(num_experts=129), "--prune-num-experts 129: between the router's top-k 4 and the teacher's 128"),
+        (PruneTargets(num_experts=2), "--prune-num-experts 2: between the router's top-k 4"),
+        (PruneTargets(num_layers=38), "--prune-num-layers 38: the teacher has 36 layers, dropped in groups of 2"),
+        (PruneTargets(num_layers=23), "--prune-num-layers 23: the teacher has 36 layers, dropped in groups of 2"),
+        (PruneTargets(num_attention_heads=60), "--prune-num-attention-heads 60: a multiple of the teacher's 8 query"),
+        (PruneTargets(ffn_hidden_size=1024), "--prune-ffn-hidden-size: the teacher has no dense MLP layers"),
+    ]:
+        with pytest.raises(PruneError, match=re.escape(message)) as e:
+            check_targets(targets, **teacher)
+        assert "\n" not in str(e.value)
