@@ -40,7 +40,7 @@ if not torch.cuda.is_available():
 # imported (logging.basicConfig at import). Imported inside a test, that is the test's capture, closed
 # when the test ends, and every later Megatron log record prints "--- Logging error ---" into the
 # stderr of whichever test runs next (the one-line error checks then see it). Imported here, at
-# collection, it writes to the session's stderr.
+# collection, it writes to pytest's own stderr for the whole run.
 import megatron.training.training  # noqa: E402, F401
 
 CI_SEED = 20261202

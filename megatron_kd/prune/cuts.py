@@ -10,6 +10,7 @@ Ties go to the lower index, so the same scores always give the same student.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,20 @@ class KeptParts:
     def to_dict(self) -> dict:
         return {"layers": self.layers, "experts": self.experts, "ffn": self.ffn, "heads": self.heads,
                 "scores": self.scores}
+
+    def entries(self, state: dict, layer: re.Pattern):
+        """The teacher's ``state`` entries the student keeps, as (student layer, the name's rest, value,
+        (experts, ffn, heads) kept there): ``layer`` matches a layer's entry names as (index, rest);
+        entries outside the layers come with layer None, their whole name and parts None."""
+        new_index = {old: new for new, old in enumerate(self.layers)}
+        for name, value in state.items():
+            m = layer.match(name)
+            if m is None:
+                yield None, name, value, (None, None, None)
+            elif int(m.group(1)) in new_index:
+                i = new_index[int(m.group(1))]
+                yield i, m.group(2), value, tuple(None if part is None else part[i]
+                                                  for part in (self.experts, self.ffn, self.heads))
 
 
 def top_indices(scores: torch.Tensor, k: int) -> list[int]:

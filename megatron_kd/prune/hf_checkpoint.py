@@ -67,21 +67,12 @@ def _cut(name: str, t: torch.Tensor, experts: list[int] | None, ffn: list[int] |
 def pruned_state(tensors: dict[str, torch.Tensor], kept: KeptParts, head_dim: int | None = None) -> dict:
     """The student's tensors from (part of) the teacher's, by Hugging Face name; ``head_dim``: the
     attention's, needed when heads are cut."""
-    new_index = {old: new for new, old in enumerate(kept.layers)}
     out = {}
-    for name, t in tensors.items():
-        m = _LAYER.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        old, rest = int(m.group(1)), m.group(2)
-        if old not in new_index:
-            continue
-        new = new_index[old]
-        experts = kept.experts[new] if kept.experts is not None else None
-        ffn = kept.ffn[new] if kept.ffn is not None else None
-        heads = kept.heads[new] if kept.heads is not None else None
-        out[f"model.layers.{new}.{rest}"] = _cut(rest, t, experts, ffn, heads, head_dim)
+    for i, rest, t, (experts, ffn, heads) in kept.entries(tensors, _LAYER):
+        if i is None:
+            out[rest] = t
+        else:
+            out[f"model.layers.{i}.{rest}"] = _cut(rest, t, experts, ffn, heads, head_dim)
     return out
 
 

@@ -85,20 +85,11 @@ def pruned_megatron_state(state: dict, kept: KeptParts, *, gated: bool,
     query groups, head dim), needed when heads are cut."""
     if kept.heads is not None and attention is None:
         raise ValueError("cutting attention heads needs the teacher's (heads, query groups, head dim)")
-    new_layer = {old: new for new, old in enumerate(kept.layers)}
     out = {}
-    for name, t in state.items():
-        m = _LAYER.match(name)
-        if m is None:
-            out[name] = t
+    for i, rest, t, (experts, ffn, heads) in kept.entries(state, _LAYER):
+        if i is None:
+            out[rest] = t
             continue
-        old, rest = int(m.group(1)), m.group(2)
-        if old not in new_layer:
-            continue
-        i = new_layer[old]
-        experts = kept.experts[i] if kept.experts is not None else None
-        ffn = kept.ffn[i] if kept.ffn is not None else None
-        heads = kept.heads[i] if kept.heads is not None else None
         e = _LOCAL_EXPERT.match(rest)
         if e is not None and experts is not None:
             if int(e.group(1)) not in experts:
