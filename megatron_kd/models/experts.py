@@ -233,7 +233,21 @@ def recomputes_moe_act(config) -> bool:
     return config.recompute_granularity is not None and "moe_act" in (config.recompute_modules or ())
 
 
+class ExpertActivationTap(torch.nn.Module):
+    """The identity on the grouped path's fc2 input [T, width] (the activation times the routing
+    probability, then the bias column and padding), called with the rows per expert: the place where
+    forward pre-hooks read that activation (``megatron-kd prune``'s importance), as they read each
+    expert's ``linear_fc2`` input on the sequential path. No parameters, no state-dict entries."""
+
+    def forward(self, fc2_input: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return fc2_input
+
+
 class GroupedGemmExperts(SequentialMLP):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fc2_input = ExpertActivationTap()
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
         if (not grouped_gemm_supported(x) or get_pg_size(self.tp_group) != 1 or self.config.fp8 or self.config.fp4
@@ -246,10 +260,10 @@ class GroupedGemmExperts(SequentialMLP):
         fc1_layout, fc2_layout = ExpertWeights(fc1), ExpertWeights(fc2)
         h = _GroupedLinear.apply(x, offsets, fc1_layout, True, *ExpertWeights.params(fc1))
         activation = functools.partial(expert_activation, config=self.config, width=fc2_layout.width)
-        if recomputes_moe_act(self.config):
+        if recomputes_moe_act(self.config) and torch.is_grad_enabled():  # no grad: nothing kept to recompute
             out = _RecomputedActivationLinear.apply(h, permuted_probs, offsets, fc2_layout, activation,
                                                     *ExpertWeights.params(fc2))
         else:
-            out = _GroupedLinear.apply(activation(h, permuted_probs), offsets, fc2_layout, False,
-                                       *ExpertWeights.params(fc2))
+            out = _GroupedLinear.apply(self.fc2_input(activation(h, permuted_probs), counts), offsets, fc2_layout,
+                                       False, *ExpertWeights.params(fc2))
         return out, None
