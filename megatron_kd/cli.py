@@ -9,6 +9,7 @@
     megatron-kd hf-flags DIR                   the Megatron-LM model flags of a Llama / Qwen3 directory
     megatron-kd cache inspect PATH [--json]    summary of a teacher cache
     megatron-kd cache verify PATH              check metadata, completeness and every chunk
+    megatron-kd data chat --input JSONL --output PREFIX <--tokenizer-* flags>   chat data with a loss mask
 
 ``train``, ``cache build``, ``export-hf`` and ``prune`` take every Megatron-LM flag: ``--help`` lists ours,
 ``--help-megatron`` Megatron-LM's. Errors in the input print one line to stderr and exit with
@@ -101,6 +102,12 @@ def _cmd_plan(args) -> int:
     from megatron_kd.megatron.plan import main as plan_main
 
     return plan_main(args.megatron_args)
+
+
+def _cmd_data_chat(args) -> int:
+    from megatron_kd.data.chat import main as chat_main
+
+    return chat_main(args.chat_args)
 
 
 def _cmd_cache_build(args) -> int:
@@ -222,6 +229,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = cache_cmds.add_parser("verify", help="Check metadata, every partition's completeness and that every chunk decodes.")
     p.add_argument("path", help="Path of the cache store.")
     p.set_defaults(func=_cmd_cache_verify)
+    data = commands.add_parser("data", help="Training data: conversations rendered with a per-token loss mask.")
+    data_cmds = data.add_subparsers(dest="data_command", required=True)
+    p = data_cmds.add_parser("chat", help="OpenAI-style conversations (JSONL) -> a Megatron indexed dataset in "
+                                          "harmony format (or the tokenizer's chat template) with a loss mask on "
+                                          "the assistant's tokens; --help lists the flags.", add_help=False)
+    p.add_argument("chat_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_data_chat)
     return parser
 
 
@@ -244,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("plan",): _cmd_plan, ("prune",): _cmd_prune}
     checking = True  # every rank meets the same mistakes here: rank 0 reports them
     try:
+        if argv[:2] == ["data", "chat"]:  # its own parser (Megatron-LM's --tokenizer-* flags among them)
+            checking = False
+            return _cmd_data_chat(argparse.Namespace(chat_args=argv[2:]))
         # train / cache build / export-hf / prune take Megatron-LM's own flags: hand them over untouched
         for command, run in commands.items():
             if tuple(argv[:len(command)]) == command:

@@ -1,0 +1,277 @@
+"""``megatron-kd data chat``: OpenAI-style conversations (JSONL) -> a Megatron indexed dataset with a
+per-token loss mask beside it.
+
+    megatron-kd data chat --input conversations.jsonl --output PREFIX \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR \\
+        [--seq-length N --overlong truncate|refuse] [--loss-roles assistant] \\
+        [--loss-channels analysis,commentary,final] [--loss-header generated|none] [--renderer auto]
+
+Each line is one conversation (``conversation.py`` says what a line may hold), rendered token by
+token: in GPT-OSS's harmony format (``harmony.py``) when the tokenizer has harmony's special
+tokens, else through the tokenizer's own chat template (``template.py``). Output:
+
+- ``PREFIX.bin`` / ``PREFIX.idx``: the tokens, one document per conversation (megatron-core's
+  ``IndexedDatasetBuilder``), what ``--data-path PREFIX`` reads. The tokenizer's EOD token ends
+  each document (appended unless the conversation already ends with it: GPT-OSS's EOD is
+  ``<|return|>``), so ``--reset-attention-mask`` finds the conversations' boundaries; it carries
+  no loss.
+- ``PREFIX_loss_mask.bin`` / ``.idx``: a uint8 indexed dataset with the same documents, one byte
+  per token: 1 where the token is a target the student learns to predict (its prediction, made at
+  the token before it, is kept in the loss), 0 elsewhere.
+- ``PREFIX_chat.json``: the renderer, the mask settings, counts, the SHA-256 of the mask bytes and
+  the mask's fingerprint (``loss_mask.py`` reads it; the teacher cache records it).
+
+Bad input is one line naming the file and line, exit status 2: a line that is not JSON, an unknown
+role, an empty assistant turn, a conversation longer than ``--seq-length`` under ``--overlong
+refuse``, a conversation whose mask selects no token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from megatron_kd.data.conversation import (CHANNELS, HEADER_CHOICES, ROLES, ChatDataError, MaskSettings,
+                                           digest, parse_messages)
+from megatron_kd.data.harmony import SPECIAL_TOKENS, Piece, harmony_pieces
+from megatron_kd.data.loss_mask import SIDECAR_FORMAT, mask_prefix, sidecar_path
+from megatron_kd.data.template import template_pieces
+from megatron_kd.errors import FlagError, FlagParser, UserError
+
+RENDERERS = ("auto", "harmony", "template")
+
+
+def _hf(tokenizer):
+    """The Hugging Face tokenizer a Megatron tokenizer wraps, or None."""
+    return getattr(getattr(tokenizer, "_tokenizer", None), "tokenizer", None)
+
+
+def token_ids(tokenizer) -> dict[str, int]:
+    """Token spelling -> id."""
+    hf = _hf(tokenizer)
+    if hf is not None:
+        return dict(hf.get_vocab())
+    vocab = getattr(tokenizer, "vocab", None)
+    if isinstance(vocab, dict):
+        return dict(vocab)
+    return {token: int(i) for i, token in dict(getattr(tokenizer, "inv_vocab", {}) or {}).items()}
+
+
+class PieceEncoder:
+    """Pieces -> (token ids, loss mask): special tokens by their id, runs of text with the same loss
+    as one string through the tokenizer, without the special tokens it adds itself (a BOS)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.hf = tokenizer, _hf(tokenizer)
+        self.ids = token_ids(tokenizer)
+
+    def text(self, text: str) -> list[int]:
+        if self.hf is not None:
+            return list(self.hf.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.tokenize(text))
+
+    def __call__(self, pieces: list[Piece]) -> tuple[list[int], list[int]]:
+        ids, mask, run, run_loss = [], [], [], False
+
+        def flush():
+            if run:
+                tokens = self.text("".join(run))
+                ids.extend(tokens)
+                mask.extend([int(run_loss)] * len(tokens))
+                run.clear()
+
+        for piece in pieces:
+            if piece.special:
+                flush()
+                ids.append(self.ids[piece.text])
+                mask.append(int(piece.loss))
+            else:
+                if run and piece.loss != run_loss:
+                    flush()
+                run.append(piece.text)
+                run_loss = piece.loss
+        flush()
+        return ids, mask
+
+
+def pick_renderer(tokenizer, choice: str) -> str:
+    has_harmony = all(t in token_ids(tokenizer) for t in SPECIAL_TOKENS)
+    hf = _hf(tokenizer)
+    has_template = hf is not None and bool(getattr(hf, "chat_template", None))
+    if choice == "harmony" and not has_harmony:
+        missing = [t for t in SPECIAL_TOKENS if t not in token_ids(tokenizer)]
+        raise FlagError(f"--renderer harmony: the tokenizer has no {', '.join(missing)} (harmony's special tokens)")
+    if choice == "template" and not has_template:
+        raise FlagError("--renderer template: the tokenizer has no chat template (give one with --chat-template)")
+    if choice != "auto":
+        return choice
+    if has_harmony:
+        return "harmony"
+    if has_template:
+        return "template"
+    raise FlagError("the tokenizer has neither harmony's special tokens (<|start|>, <|channel|>, <|message|>, ...) nor "
+                    "a chat template: pass a GPT-OSS tokenizer, or one with a chat template (--chat-template)")
+
+
+class ConversationRenderer:
+    """One parsed JSONL line -> (token ids, loss mask) of its document, checked against ``settings``."""
+
+    def __init__(self, tokenizer, settings: MaskSettings, renderer: str = "auto"):
+        self.settings = settings
+        self.renderer = pick_renderer(tokenizer, renderer)
+        self.encode = PieceEncoder(tokenizer)
+        self.eod = int(tokenizer.eod)
+        hf = _hf(tokenizer)
+        if self.renderer == "template":
+            self._render = lambda raws, prompt: hf.apply_chat_template(raws, tokenize=False,
+                                                                       add_generation_prompt=prompt)
+
+    def __call__(self, line: object) -> tuple[list[int], list[int], bool]:
+        """(ids, mask, truncated)."""
+        messages = parse_messages(line)
+        if self.renderer == "harmony":
+            pieces = harmony_pieces(messages, self.settings)
+        else:
+            pieces = template_pieces(messages, self.settings, self._render)
+        ids, mask = self.encode(pieces)
+        if not ids or ids[-1] != self.eod:  # the document's end, for packed documents; no loss
+            ids.append(self.eod)
+            mask.append(0)
+        if not any(mask):
+            raise ChatDataError(f"the loss mask selects no token of this conversation (no message of "
+                                f"{self.settings.describe()})")
+        limit = self.settings.seq_length
+        if limit is None or len(ids) <= limit:
+            return ids, mask, False
+        if self.settings.overlong == "refuse":
+            raise ChatDataError(f"the conversation has {len(ids)} tokens, more than --seq-length {limit} "
+                                f"(--overlong truncate keeps its first {limit})")
+        ids, mask = ids[:limit], mask[:limit]
+        if not any(mask):
+            raise ChatDataError(f"cut to --seq-length {limit} tokens (--overlong truncate), the conversation keeps no "
+                                f"token of {self.settings.describe()}")
+        return ids, mask, True
+
+
+def build_chat_dataset(input_path, output_prefix, tokenizer, settings: MaskSettings, *,
+                       renderer: str = "auto") -> dict:
+    """Render every conversation of ``input_path`` and write the token dataset, the loss-mask dataset
+    and the sidecar at ``output_prefix``; returns the sidecar's content. ``ChatDataError`` (one line,
+    "FILE:LINE: ...") for a line that cannot be rendered; nothing is written then."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_kd.megatron.data import tokenizer_fingerprint
+
+    render = ConversationRenderer(tokenizer, settings, renderer)
+    input_path, prefix = Path(input_path), Path(output_prefix)
+    try:
+        lines = input_path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--input {input_path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    documents = []
+    truncated = 0
+    for number, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        where = f"{input_path}:{number}"
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ChatDataError(f"{where}: not a JSON line ({e.msg} at column {e.colno})") from None
+        try:
+            ids, mask, cut = render(line)
+        except ChatDataError as e:
+            raise ChatDataError(f"{where}: {e}") from None
+        documents.append((ids, mask))
+        truncated += cut
+    if not documents:
+        raise ChatDataError(f"--input {input_path}: no conversation in it")
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+    tokens = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    masks = IndexedDatasetBuilder(f"{mask_prefix(prefix)}.bin", dtype=np.uint8)
+    mask_hash = hashlib.sha256()
+    for ids, mask in documents:
+        tokens.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+        mask_bytes = np.asarray(mask, dtype=np.uint8)
+        masks.add_document(torch.from_numpy(mask_bytes.astype(np.int64)), [len(mask)])
+        mask_hash.update(mask_bytes.tobytes())
+    tokens.finalize(f"{prefix}.idx")
+    masks.finalize(f"{mask_prefix(prefix)}.idx")
+    n_tokens = sum(len(ids) for ids, _ in documents)
+    n_loss = sum(sum(mask) for _, mask in documents)
+    sidecar = {
+        "format": SIDECAR_FORMAT, "renderer": render.renderer, "settings": settings.to_json(),
+        "mask": f"{render.renderer} {settings.describe()}", "loss_mask": mask_prefix(prefix).name,
+        "documents": len(documents), "tokens": n_tokens, "loss_tokens": n_loss, "truncated": truncated,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "mask_sha256": mask_hash.hexdigest(),
+    }
+    sidecar["fingerprint"] = digest({"renderer": render.renderer, "settings": settings.to_json(),
+                                     "mask_sha256": sidecar["mask_sha256"]})
+    sidecar_path(prefix).write_text(json.dumps(sidecar, indent=2) + "\n")
+    return sidecar
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def chat_parser() -> argparse.ArgumentParser:
+    from megatron.training.arguments import _add_tokenizer_args
+
+    parser = FlagParser(prog="megatron-kd data chat", description=__doc__.split("\n\n")[0],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("chat data")
+    group.add_argument("--input", required=True, metavar="JSONL", help="Conversations, one JSON object per line.")
+    group.add_argument("--output", required=True, metavar="PREFIX",
+                       help="Writes PREFIX.bin/.idx (tokens), PREFIX_loss_mask.bin/.idx (one byte per token) and "
+                            "PREFIX_chat.json (mask settings and fingerprint).")
+    group.add_argument("--seq-length", type=int, default=None, metavar="N",
+                       help="Longest conversation in tokens (the run's --seq-length); default: any length.")
+    group.add_argument("--overlong", choices=("truncate", "refuse"), default="refuse",
+                       help="A conversation longer than --seq-length: refuse it (default, one line naming it) or "
+                            "keep its first N tokens.")
+    group.add_argument("--loss-roles", type=_comma_list, default=("assistant",), metavar="ROLES",
+                       help=f"Roles whose messages carry loss, comma-separated, of {', '.join(ROLES)} "
+                            f"(default: assistant).")
+    group.add_argument("--loss-channels", type=_comma_list, default=CHANNELS, metavar="CHANNELS",
+                       help=f"Harmony channels of the assistant's messages that carry loss, of {', '.join(CHANNELS)} "
+                            f"(default: all three; commentary holds tool calls).")
+    group.add_argument("--loss-header", choices=HEADER_CHOICES, default="generated",
+                       help="generated (default): also the header tokens the model writes itself (channel, "
+                            "recipient, <|message|>); none: content and end token only. End tokens "
+                            "(<|end|>, <|return|>, <|call|>) always carry loss.")
+    group.add_argument("--renderer", choices=RENDERERS, default="auto",
+                       help="harmony (GPT-OSS), template (the tokenizer's chat template), or auto (default): "
+                            "harmony when the tokenizer has its special tokens.")
+    return _add_tokenizer_args(parser)
+
+
+def build_tokenizer(args):
+    """The Megatron tokenizer that ``--tokenizer-*`` flags name, as ``train`` builds it."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
+
+    if args.tokenizer_type is None:
+        raise FlagError("data chat needs --tokenizer-type (and --tokenizer-model DIR), as train gets them")
+    args.pad_vocab_size = False  # the dataset holds token ids; the vocabulary padding is the model's
+    try:
+        return megatron_build_tokenizer(args)
+    except (OSError, ValueError) as e:
+        raise FlagError(f"--tokenizer-type {args.tokenizer_type} --tokenizer-model {args.tokenizer_model}: cannot "
+                        f"load the tokenizer ({' '.join(str(e).split())[:300]})") from None
+
+
+def main(argv: list[str]) -> int:
+    args = chat_parser().parse_args(argv)
+    settings = MaskSettings(loss_roles=args.loss_roles, loss_channels=args.loss_channels,
+                            loss_header=args.loss_header, seq_length=args.seq_length, overlong=args.overlong)
+    summary = build_chat_dataset(args.input, args.output, build_tokenizer(args), settings, renderer=args.renderer)
+    print(f"{args.output}: {summary['documents']} conversations, {summary['tokens']:,} tokens, "
+          f"{summary['loss_tokens']:,} carry loss ({summary['loss_tokens'] / summary['tokens']:.1%}; "
+          f"{summary['mask']}); {summary['truncated']} truncated; mask fingerprint {summary['fingerprint']}")
+    return 0

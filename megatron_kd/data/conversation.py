@@ -1,0 +1,158 @@
+"""OpenAI-style chat messages, read from one JSONL line and checked, and which of their tokens carry loss.
+
+A line is ``{"messages": [...]}`` (or the list itself). Each message has a ``role`` (system, developer,
+user, assistant, tool) and ``content`` (a string, or a list of ``{"type": "text", "text": ...}``
+parts). An assistant message may also carry ``reasoning`` (or ``thinking`` / ``reasoning_content``:
+its chain of thought) and ``tool_calls`` (``[{"id", "function": {"name", "arguments"}}]``, or
+``{"name", "arguments"}`` flat); a tool message names its function by ``name``, or by
+``tool_call_id`` of an earlier call. Anything else is a ``ChatDataError`` naming the message and
+the field; the command adds the file and line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from megatron_kd.errors import FlagError, UserError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+CHANNELS = ("analysis", "commentary", "final")
+REASONING_KEYS = ("reasoning", "thinking", "reasoning_content")
+HEADER_CHOICES = ("generated", "none")
+
+
+class ChatDataError(UserError):
+    """A conversation that cannot be rendered (a bad line, role or turn, a mask that selects nothing)."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # the call's JSON text, as the model writes it
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    name: str | None = None  # a tool message's function
+    raw: dict = field(default_factory=dict, compare=False)  # as read, for a tokenizer's own chat template
+
+
+@dataclass(frozen=True)
+class MaskSettings:
+    """Which tokens of a conversation carry loss (one byte per token in the loss-mask dataset).
+
+    ``loss_roles``: the roles whose messages are trained (default: the assistant's). ``loss_channels``:
+    of the assistant's harmony messages, the channels trained (analysis: reasoning, commentary: tool
+    calls and their preambles, final: the answer); a chat template has no channels and ignores it.
+    ``loss_header``: "generated" (default) trains the header tokens the model writes itself at
+    inference (harmony: after the prompt's ``<|start|>assistant``, the channel, recipient and
+    ``<|message|>``; all of a later message's header in the same turn), "none" only the content and
+    the end token. The end token (``<|end|>``, ``<|return|>``, ``<|call|>``) always carries loss:
+    the model must learn to stop. ``seq_length`` / ``overlong``: conversations longer than
+    ``seq_length`` tokens are cut ("truncate") or refused ("refuse"); None: any length."""
+
+    loss_roles: tuple[str, ...] = ("assistant",)
+    loss_channels: tuple[str, ...] = CHANNELS
+    loss_header: str = "generated"
+    seq_length: int | None = None
+    overlong: str = "refuse"
+
+    def __post_init__(self):
+        for flag, values, known in (("--loss-roles", self.loss_roles, ROLES),
+                                    ("--loss-channels", self.loss_channels, CHANNELS)):
+            unknown = [v for v in values if v not in known]
+            if unknown or not values:
+                raise FlagError(f"{flag} {','.join(values)}: expected a comma-separated list of {', '.join(known)}")
+        if self.loss_header not in HEADER_CHOICES:
+            raise FlagError(f"--loss-header {self.loss_header}: expected one of {', '.join(HEADER_CHOICES)}")
+        if self.overlong not in ("truncate", "refuse"):
+            raise FlagError(f"--overlong {self.overlong}: expected truncate or refuse")
+        if self.seq_length is not None and self.seq_length < 1:
+            raise FlagError(f"--seq-length {self.seq_length}: expected a positive number of tokens")
+
+    def describe(self) -> str:
+        """One line naming the settings (what a mismatch error shows)."""
+        return (f"roles={','.join(self.loss_roles)} channels={','.join(self.loss_channels)} "
+                f"header={self.loss_header}")
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    def mask_fields(self) -> dict:
+        """The settings that decide which tokens carry loss (the length limit decides what is kept)."""
+        return {k: v for k, v in self.to_json().items() if k in ("loss_roles", "loss_channels", "loss_header")}
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+
+
+def _text(value, what: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise ChatDataError(f"{what} is {type(value).__name__}, expected a string or a list of "
+                        f"{{\"type\": \"text\", \"text\": ...}} parts")
+
+
+def _tool_call(call, what: str) -> ToolCall:
+    if not isinstance(call, dict):
+        raise ChatDataError(f"{what} is {type(call).__name__}, expected an object with function.name and arguments")
+    function = call.get("function", call)
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ChatDataError(f"{what} has no function name (function.name)")
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(name=name, arguments=arguments, id=call.get("id"))
+
+
+def parse_messages(line: object) -> list[Message]:
+    """The messages of one parsed JSONL line, checked (``ChatDataError`` naming message and field)."""
+    messages = line.get("messages") if isinstance(line, dict) else line
+    if not isinstance(messages, list) or not messages:
+        raise ChatDataError("expected an object with a non-empty \"messages\" list")
+    out: list[Message] = []
+    calls: dict[str, str] = {}  # tool_call_id -> function name
+    for i, raw in enumerate(messages):
+        what = f"message {i}"
+        if not isinstance(raw, dict):
+            raise ChatDataError(f"{what} is {type(raw).__name__}, expected an object with role and content")
+        role = raw.get("role")
+        if role not in ROLES:
+            raise ChatDataError(f"{what} has role {role!r}, expected one of {', '.join(ROLES)}")
+        content = _text(raw.get("content"), f"{what} content")
+        if role != "assistant":
+            extra = [k for k in (*REASONING_KEYS, "tool_calls") if raw.get(k)]
+            if extra:
+                raise ChatDataError(f"{what} ({role}) has {extra[0]}, which only assistant messages carry")
+            name = None
+            if role == "tool":
+                name = raw.get("name") or calls.get(raw.get("tool_call_id"))
+                if not isinstance(name, str) or not name:
+                    raise ChatDataError(f"{what} (tool) names no function: give \"name\", or \"tool_call_id\" of an "
+                                        f"earlier assistant tool call")
+            out.append(Message(role, content, name=name, raw=raw))
+            continue
+        reasoning = "".join(_text(raw.get(k), f"{what} {k}") for k in REASONING_KEYS)
+        tool_calls = raw.get("tool_calls") or []
+        if not isinstance(tool_calls, list):
+            raise ChatDataError(f"{what} tool_calls is {type(tool_calls).__name__}, expected a list")
+        parsed = tuple(_tool_call(c, f"{what} tool_calls[{j}]") for j, c in enumerate(tool_calls))
+        calls.update({c.id: c.name for c in parsed if c.id})
+        if not (content.strip() or reasoning.strip() or parsed):
+            raise ChatDataError(f"{what} is an empty assistant turn: no content, reasoning or tool_calls")
+        out.append(Message("assistant", content, reasoning, parsed, raw=raw))
+    return out
