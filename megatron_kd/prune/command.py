@@ -10,8 +10,8 @@ samples of the training set with the importance hooks of ``megatron_kd.prune.imp
 the parts the targets keep are chosen by those scores (``prune.cuts``). Rank 0 then writes the
 student as a Hugging Face directory of the teacher's own tensors, cut (``prune.hf_checkpoint``);
 the student run starts from it with ``--kd-student-hf DIR`` and the teacher's model flags with the
-student's sizes (``--num-layers``, ``--num-experts``, ``--ffn-hidden-size``, ``--num-attention-heads``
-with ``--kv-channels``), which the command prints.
+student's sizes (``--num-layers``, ``--num-experts``, ``--ffn-hidden-size``, ``--moe-ffn-hidden-size``,
+``--num-attention-heads`` and ``--hidden-size`` with ``--kv-channels``), which the command prints.
 """
 
 from __future__ import annotations
@@ -35,9 +35,22 @@ def add_prune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--prune-num-attention-heads", type=int, default=None, metavar="N",
                        help="Attention heads each layer keeps: in every query group the same number, those "
                             "with the largest context norms (N a multiple of the query groups). Default: all.")
+    group.add_argument("--prune-moe-ffn-hidden-size", type=int, default=None, metavar="N",
+                       help="FFN channels each expert keeps (GPT-OSS; Megatron's --moe-ffn-hidden-size): those "
+                            "with the largest activation norms over the tokens routed to it. MXFP4 experts are "
+                            "then written dequantized (bf16). Default: all.")
+    group.add_argument("--prune-hidden-size", type=int, default=None, metavar="N",
+                       help="Hidden channels the model keeps, the same in every layer, the embedding and the "
+                            "output layer: those with the largest norm outputs (N a multiple of the tensor-"
+                            "parallel size; heads keep their width: the student adds --kv-channels; MXFP4 "
+                            "experts are written dequantized). Default: all.")
     group.add_argument("--prune-calib-samples", type=int, default=128, metavar="N",
                        help="Training samples of the calibration pass (default 128).")
     return parser
+
+
+TARGET_FLAGS = ("prune_num_layers", "prune_num_experts", "prune_ffn_hidden_size", "prune_num_attention_heads",
+                "prune_moe_ffn_hidden_size", "prune_hidden_size")
 
 
 def prune_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -45,15 +58,12 @@ def prune_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     opts, rest = add_prune_args(FlagParser(prog="megatron-kd prune", add_help=False)).parse_known_args(argv)
     if not opts.out:
         raise FlagError("prune needs --out DIR: where to write the pruned student")
-    for flag in ("prune_num_layers", "prune_num_experts", "prune_ffn_hidden_size", "prune_num_attention_heads",
-                 "prune_calib_samples"):
+    for flag in (*TARGET_FLAGS, "prune_calib_samples"):
         value = getattr(opts, flag)
         if value is not None and value < 1:
             raise FlagError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if all(getattr(opts, f) is None for f in ("prune_num_layers", "prune_num_experts", "prune_ffn_hidden_size",
-                                              "prune_num_attention_heads")):
-        raise FlagError("prune needs a target: --prune-num-layers, --prune-num-experts, --prune-ffn-hidden-size "
-                        "or --prune-num-attention-heads")
+    if all(getattr(opts, f) is None for f in TARGET_FLAGS):
+        raise FlagError("prune needs a target: " + ", ".join("--" + f.replace("_", "-") for f in TARGET_FLAGS))
     return opts, rest
 
 
@@ -68,10 +78,12 @@ def student_flags(args, opts) -> list[str]:
     flags = []
     for flag, value in (("--num-layers", opts.prune_num_layers), ("--num-experts", opts.prune_num_experts),
                         ("--ffn-hidden-size", opts.prune_ffn_hidden_size),
-                        ("--num-attention-heads", opts.prune_num_attention_heads)):
+                        ("--moe-ffn-hidden-size", opts.prune_moe_ffn_hidden_size),
+                        ("--num-attention-heads", opts.prune_num_attention_heads),
+                        ("--hidden-size", opts.prune_hidden_size)):
         if value is not None:
             flags += [flag, str(value)]
-    if opts.prune_num_attention_heads is not None:  # fewer heads of the teacher's width
+    if opts.prune_num_attention_heads is not None or opts.prune_hidden_size is not None:  # heads keep their width
         flags += ["--kv-channels", str(args.kv_channels or args.hidden_size // args.num_attention_heads)]
     return flags + ["--kd-student-hf", opts.out]
 
@@ -101,13 +113,18 @@ def main(argv: list[str]) -> int:
                         "parallelism to fit it)")
     targets = PruneTargets(num_layers=opts.prune_num_layers, num_experts=opts.prune_num_experts,
                            ffn_hidden_size=opts.prune_ffn_hidden_size,
-                           num_attention_heads=opts.prune_num_attention_heads)
+                           num_attention_heads=opts.prune_num_attention_heads,
+                           moe_ffn_hidden_size=opts.prune_moe_ffn_hidden_size, hidden_size=opts.prune_hidden_size)
     teacher_sizes = dict(num_layers=args.num_layers, num_experts=args.num_experts,
                          experts_per_token=args.moe_router_topk,
                          # every layer of an MoE teacher is MoE: no dense MLP width to cut
                          ffn_hidden_size=None if args.num_experts else args.ffn_hidden_size,
                          num_attention_heads=args.num_attention_heads,
-                         num_query_groups=args.num_query_groups if args.group_query_attention else None)
+                         num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                         moe_ffn_hidden_size=(args.moe_ffn_hidden_size or args.ffn_hidden_size) if args.num_experts
+                         else None, hidden_size=args.hidden_size,
+                         # the student's head dim is written out (head_dim, --kv-channels), never derived
+                         tensor_parallel_size=args.tensor_model_parallel_size, head_dim_derived=False)
     check_targets(targets, group_size=layer_group_size(args), **teacher_sizes)  # a bad cut: before any work
     initialize_megatron()
     (train, _, _), tokenizer = build_datasets(list(get_train_valid_test_num_samples()),

@@ -1,10 +1,11 @@
 """Which parts of the teacher a pruned student keeps, from importance scores and target sizes.
 
 ``choose_kept`` keeps the most important layer groups (in their original order), in each kept
-layer the experts with the most routing mass, the FFN channels with the largest norms and the
-attention heads with the largest context norms, the same number in every query group so that the
-student's grouped-query layout stays (each set in ascending index order, so the student's weights
-are the teacher's rows in their order).
+layer the experts with the most routing mass, the FFN channels with the largest norms, in each kept
+expert its FFN channels with the largest norms, and the attention heads with the largest context
+norms, the same number in every query group so that the student's grouped-query layout stays; and
+the same hidden channels everywhere, those with the largest norm outputs (each set in ascending
+index order, so the student's weights are the teacher's rows in their order).
 Ties go to the lower index, so the same scores always give the same student.
 """
 
@@ -31,50 +32,74 @@ class PruneTargets:
     num_experts: int | None = None
     ffn_hidden_size: int | None = None
     num_attention_heads: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    hidden_size: int | None = None
+
+
+@dataclass(frozen=True)
+class LayerCut:
+    """What one student layer keeps of its teacher layer (None: all of it): ``experts``, dense
+    ``ffn`` channels, attention ``heads``, per student expert its ``expert_ffn`` channels, and the
+    ``hidden`` channels (the same in every layer; outside the layers the only part)."""
+
+    experts: list[int] | None = None
+    ffn: list[int] | None = None
+    heads: list[int] | None = None
+    expert_ffn: list[list[int]] | None = None
+    hidden: list[int] | None = None
 
 
 @dataclass
 class KeptParts:
     """Teacher indices the student keeps: ``layers`` [L'] ascending; per kept layer (student order)
-    its ``experts``, ``ffn`` channels and attention ``heads`` (None: all of them)."""
+    its ``experts``, ``ffn`` channels, attention ``heads`` and, per kept expert (student order), its
+    ``expert_ffn`` channels; the ``hidden`` channels of every layer and of the embedding, the final
+    norm and the output layer (None: all of them)."""
 
     layers: list[int]
     experts: list[list[int]] | None = None
     ffn: list[list[int]] | None = None
     heads: list[list[int]] | None = None
     scores: dict = field(default_factory=dict)
+    expert_ffn: list[list[list[int]]] | None = None
+    hidden: list[int] | None = None
 
     def to_dict(self) -> dict:
         return {"layers": self.layers, "experts": self.experts, "ffn": self.ffn, "heads": self.heads,
-                "scores": self.scores}
+                "expert_ffn": self.expert_ffn, "hidden": self.hidden, "scores": self.scores}
 
     def entries(self, state: dict, layer: re.Pattern):
         """The teacher's ``state`` entries the student keeps, as (student layer, the name's rest, value,
-        (experts, ffn, heads) kept there): ``layer`` matches a layer's entry names as (index, rest);
-        entries outside the layers come with layer None, their whole name and parts None."""
+        the ``LayerCut`` there): ``layer`` matches a layer's entry names as (index, rest); entries
+        outside the layers come with layer None, their whole name and a cut of the hidden channels only."""
         new_index = {old: new for new, old in enumerate(self.layers)}
         for name, value in state.items():
             m = layer.match(name)
             if m is None:
-                yield None, name, value, (None, None, None)
+                yield None, name, value, LayerCut(hidden=self.hidden)
             elif int(m.group(1)) in new_index:
                 i = new_index[int(m.group(1))]
-                yield i, m.group(2), value, tuple(None if part is None else part[i]
-                                                  for part in (self.experts, self.ffn, self.heads))
+                yield i, m.group(2), value, LayerCut(*(None if part is None else part[i] for part in (
+                    self.experts, self.ffn, self.heads, self.expert_ffn)), hidden=self.hidden)
 
 
 def top_indices(scores: torch.Tensor, k: int) -> list[int]:
     """Indices of the ``k`` largest scores, ties to the lower index, in ascending index order."""
-    order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
-    return sorted(order[:k])
+    order = torch.sort(-torch.as_tensor(scores, dtype=torch.float64), stable=True).indices  # ties: index order
+    return sorted(order[:k].tolist())
 
 
 def check_targets(targets: PruneTargets, *, num_layers: int, group_size: int = 1, num_experts: int | None = None,
                   experts_per_token: int | None = None, ffn_hidden_size: int | None = None,
-                  num_attention_heads: int | None = None, num_query_groups: int | None = None) -> None:
+                  num_attention_heads: int | None = None, num_query_groups: int | None = None,
+                  moe_ffn_hidden_size: int | None = None, hidden_size: int | None = None,
+                  tensor_parallel_size: int = 1, head_dim_derived: bool = False) -> None:
     """One ``PruneError`` line for the first target a teacher of these sizes cannot meet (``prune``
     calls it before any work; ``choose_kept`` again). ``num_experts`` None: no MoE layers;
-    ``ffn_hidden_size`` None: no dense MLP layers; ``num_query_groups`` None: one per head."""
+    ``ffn_hidden_size`` None: no dense MLP layers; ``num_query_groups`` None: one per head;
+    ``moe_ffn_hidden_size``: the experts' FFN width; ``hidden_size``: the model width, cut in
+    multiples of ``tensor_parallel_size``; ``head_dim_derived``: the student's head dim would be
+    hidden / heads (a student config without an explicit one; ``prune`` always writes it)."""
     g = group_size
     if targets.num_layers is not None and not (0 < targets.num_layers <= num_layers and targets.num_layers % g == 0):
         raise PruneError(f"--prune-num-layers {targets.num_layers}: the teacher has {num_layers} layers, dropped "
@@ -87,8 +112,8 @@ def check_targets(targets: PruneTargets, *, num_layers: int, group_size: int = 1
                              f"{experts_per_token} and the teacher's {num_experts} experts")
     if targets.ffn_hidden_size is not None:
         if ffn_hidden_size is None:
-            raise PruneError("--prune-ffn-hidden-size: the teacher has no dense MLP layers (expert widths are "
-                             "not pruned yet)")
+            raise PruneError("--prune-ffn-hidden-size: the teacher has no dense MLP layers (an FFN width of an "
+                             "MoE teacher's experts is --prune-moe-ffn-hidden-size)")
         if not 0 < targets.ffn_hidden_size <= ffn_hidden_size:
             raise PruneError(f"--prune-ffn-hidden-size {targets.ffn_hidden_size}: between 1 and the teacher's "
                              f"{ffn_hidden_size}")
@@ -104,19 +129,41 @@ def check_targets(targets: PruneTargets, *, num_layers: int, group_size: int = 1
             raise PruneError(f"--prune-num-attention-heads {target}: a multiple of the teacher's {groups} query "
                              f"groups up to its {heads} heads (each group keeps the same number of its "
                              f"{heads // groups} heads)")
+    if targets.moe_ffn_hidden_size is not None:
+        if num_experts is None or moe_ffn_hidden_size is None:
+            raise PruneError("--prune-moe-ffn-hidden-size: the teacher has no experts (a dense MLP's width is "
+                             "--prune-ffn-hidden-size)")
+        if not 0 < targets.moe_ffn_hidden_size <= moe_ffn_hidden_size:
+            raise PruneError(f"--prune-moe-ffn-hidden-size {targets.moe_ffn_hidden_size}: between 1 and the "
+                             f"teacher's {moe_ffn_hidden_size}")
+    if targets.hidden_size is not None:
+        n, tp = targets.hidden_size, tensor_parallel_size
+        if hidden_size is None or not 0 < n <= hidden_size or n % tp:
+            raise PruneError(f"--prune-hidden-size {n}: a multiple of the tensor-parallel size {tp} up to the "
+                             f"teacher's {hidden_size}")
+        if head_dim_derived and num_attention_heads and n % (targets.num_attention_heads or num_attention_heads):
+            heads = targets.num_attention_heads or num_attention_heads
+            raise PruneError(f"--prune-hidden-size {n}: the student's head dim is hidden size / heads, so a "
+                             f"multiple of its {heads} attention heads")
 
 
 def choose_kept(scores: ImportanceScores, targets: PruneTargets, *, num_layers: int, num_experts: int | None,
                 ffn_hidden_size: int | None, experts_per_token: int | None = None,
-                num_attention_heads: int | None = None, num_query_groups: int | None = None) -> KeptParts:
-    """The parts of a teacher of ``num_layers`` layers (``num_experts`` experts, FFN width
-    ``ffn_hidden_size``, ``num_attention_heads`` heads in ``num_query_groups`` groups, None: one per
-    head) that the student of ``targets`` keeps (``check_targets`` first; then what the calibration
-    pass saw: no router, no dense MLP or no attention seen where a target needs it is one line too)."""
+                num_attention_heads: int | None = None, num_query_groups: int | None = None,
+                moe_ffn_hidden_size: int | None = None, hidden_size: int | None = None,
+                tensor_parallel_size: int = 1, head_dim_derived: bool = False) -> KeptParts:
+    """The parts of a teacher of ``num_layers`` layers (``num_experts`` experts of FFN width
+    ``moe_ffn_hidden_size``, dense FFN width ``ffn_hidden_size``, ``num_attention_heads`` heads in
+    ``num_query_groups`` groups, None: one per head; width ``hidden_size``) that the student of
+    ``targets`` keeps (``check_targets`` first; then what the calibration pass saw: no router, no
+    dense MLP, no attention, no experts' activation or no norm seen where a target needs it is one
+    line too)."""
     g = scores.group_size
     check_targets(targets, num_layers=num_layers, group_size=g, num_experts=num_experts,
                   experts_per_token=experts_per_token, ffn_hidden_size=ffn_hidden_size,
-                  num_attention_heads=num_attention_heads, num_query_groups=num_query_groups)
+                  num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
+                  moe_ffn_hidden_size=moe_ffn_hidden_size, hidden_size=hidden_size,
+                  tensor_parallel_size=tensor_parallel_size, head_dim_derived=head_dim_derived)
     layers = list(range(num_layers))
     if targets.num_layers is not None and targets.num_layers != num_layers:
         groups = top_indices(scores.layer_groups, targets.num_layers // g)
@@ -126,9 +173,15 @@ def choose_kept(scores: ImportanceScores, targets: PruneTargets, *, num_layers: 
                                         (targets.ffn_hidden_size, ffn_hidden_size, scores.ffn,
                                          "--prune-ffn-hidden-size"),
                                         (targets.num_attention_heads, num_attention_heads, scores.heads,
-                                         "--prune-num-attention-heads")):
+                                         "--prune-num-attention-heads"),
+                                        (targets.moe_ffn_hidden_size, moe_ffn_hidden_size, scores.expert_ffn,
+                                         "--prune-moe-ffn-hidden-size"),
+                                        (targets.hidden_size, hidden_size, scores.hidden, "--prune-hidden-size")):
         if target is not None and target != teacher and seen is None:
-            raise PruneError(f"{name}: the calibration pass saw no such part of the teacher")
+            local = name in ("--prune-moe-ffn-hidden-size", "--prune-hidden-size")  # read on the local spec only
+            raise PruneError(f"{name}: the calibration pass saw no such part of the teacher"
+                             + (" (its experts' activation and norms are read with --transformer-impl local)"
+                                if local else ""))
     if targets.num_experts is not None and targets.num_experts != num_experts:
         kept.experts = [top_indices(scores.experts[i], targets.num_experts) for i in layers]
     if targets.ffn_hidden_size is not None and targets.ffn_hidden_size != ffn_hidden_size:
@@ -138,4 +191,10 @@ def choose_kept(scores: ImportanceScores, targets: PruneTargets, *, num_layers: 
         per_group, size = targets.num_attention_heads // groups, num_attention_heads // groups
         kept.heads = [[grp * size + h for grp in range(groups)
                        for h in top_indices(scores.heads[i, grp * size:(grp + 1) * size], per_group)] for i in layers]
+    if targets.moe_ffn_hidden_size is not None and targets.moe_ffn_hidden_size != moe_ffn_hidden_size:
+        experts = kept.experts or [list(range(num_experts))] * len(layers)
+        kept.expert_ffn = [[top_indices(scores.expert_ffn[i, e], targets.moe_ffn_hidden_size) for e in experts[j]]
+                           for j, i in enumerate(layers)]
+    if targets.hidden_size is not None and targets.hidden_size != hidden_size:
+        kept.hidden = top_indices(scores.hidden, targets.hidden_size)
     return kept

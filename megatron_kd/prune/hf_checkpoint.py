@@ -13,12 +13,23 @@ experts are cut along their leading dimension only). The student then starts a r
   ``mlp.down_proj``;
 - attention heads: each kept head's ``head_dim`` rows of ``self_attn.q_proj`` (weight and bias),
   its columns of ``self_attn.o_proj`` and its ``self_attn.sinks`` entry (GPT-OSS); keys and values
-  stay (every query group keeps heads).
+  stay (every query group keeps heads);
+- experts' FFN channels (GPT-OSS): per expert its channels' gate and up columns of
+  ``mlp.experts.gate_up_proj`` (interleaved: channel c is columns 2c and 2c + 1) and its bias, its
+  rows of ``mlp.experts.down_proj``;
+- hidden channels (the same everywhere): columns of ``model.embed_tokens``, ``lm_head``,
+  q / k / v, gate / up, the router and the experts' ``gate_up_proj`` inputs; rows (and bias) of
+  o_proj, down_proj and the experts' ``down_proj`` outputs; every norm's weight.
+
+MXFP4 experts are blocked along their inputs (32 per scale), which both width cuts select: there the
+student's experts are written dequantized (bf16, the dense layout ``save_pretrained`` writes; a
+block and its scales may lie in different files, the first waits for the other) and config.json
+loses ``quantization_config``; ``prune.json`` says so (``mxfp4_dequantized``).
 
 config.json gets the student's ``num_hidden_layers``, ``layer_types``, ``num_local_experts``,
-``intermediate_size``, ``num_attention_heads`` and ``head_dim`` (explicit: fewer heads of the same
-width); the tokenizer and generation files are copied; ``prune.json`` records the
-scores and the kept indices.
+``intermediate_size`` (dense or experts' width), ``num_attention_heads``, ``hidden_size`` and
+``head_dim`` (explicit where heads or hidden are cut: the heads keep their width); the tokenizer
+and generation files are copied; ``prune.json`` records the scores and the kept indices.
 """
 
 from __future__ import annotations
@@ -30,11 +41,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_kd.prune.cuts import KeptParts, PruneError
+from megatron_kd.prune.cuts import KeptParts, LayerCut, PruneError
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # files of a Hugging Face directory that are not weights and describe the same model after the cuts
 _COPIED = ("tokenizer", "special_tokens", "chat_template", "generation_config", "vocab", "merges")
+# FP4 E2M1 values by code (transformers' FP4_VALUES): codes 8-15 are the negatives of 0-7
+_FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
@@ -42,37 +55,102 @@ def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
     return (torch.tensor(heads).view(-1, 1) * head_dim + torch.arange(head_dim)).flatten()
 
 
-def _cut(name: str, t: torch.Tensor, experts: list[int] | None, ffn: list[int] | None,
-         heads: list[int] | None = None, head_dim: int | None = None) -> torch.Tensor:
+def _select(t: torch.Tensor, dim: int, index) -> torch.Tensor:
+    return t.index_select(dim, torch.as_tensor(index)).contiguous()
+
+
+def _per_expert(t: torch.Tensor, dim: int, channels: list[list[int]], interleaved: bool = False) -> torch.Tensor:
+    """Each expert's ``channels`` along ``dim`` of its slice t[e] (``interleaved``: channel c is
+    gate / up entries 2c and 2c + 1, as GPT-OSS's ``gate_up_proj`` lays them)."""
+    def index(ch):
+        ch = torch.tensor(ch)
+        return torch.stack([2 * ch, 2 * ch + 1], 1).flatten() if interleaved else ch
+    return torch.stack([t[e].index_select(dim, index(ch)) for e, ch in enumerate(channels)]).contiguous()
+
+
+# where a layer's tensor holds the hidden channels (name after ``model.layers.{i}.``: dim)
+_HIDDEN_DIM = {"self_attn.q_proj.weight": 1, "self_attn.k_proj.weight": 1, "self_attn.v_proj.weight": 1,
+               "self_attn.o_proj.weight": 0, "self_attn.o_proj.bias": 0, "mlp.gate_proj.weight": 1,
+               "mlp.up_proj.weight": 1, "mlp.down_proj.weight": 0, "mlp.down_proj.bias": 0, "mlp.router.weight": 1,
+               "mlp.experts.gate_up_proj": 1, "mlp.experts.down_proj": 2, "mlp.experts.down_proj_bias": 1,
+               "input_layernorm.weight": 0, "post_attention_layernorm.weight": 0}
+_OUTER_HIDDEN_DIM = {"model.embed_tokens.weight": 1, "lm_head.weight": 1, "model.norm.weight": 0}
+
+
+def _cut(name: str, t: torch.Tensor, cut: LayerCut, head_dim: int | None = None) -> torch.Tensor:
     """The part of one layer's tensor (``name`` after ``model.layers.{i}.``) the student keeps."""
-    if heads is not None:
+    if cut.heads is not None:
         if name in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
-            return t.index_select(0, head_rows(heads, head_dim)).contiguous()
-        if name == "self_attn.o_proj.weight":
-            return t.index_select(1, head_rows(heads, head_dim)).contiguous()
-        if name == "self_attn.sinks":
-            return t.index_select(0, torch.tensor(heads)).contiguous()
-    if experts is not None and (name.startswith("mlp.experts.") or name.startswith("mlp.router.")):
-        return t.index_select(0, torch.tensor(experts)).contiguous()
-    if ffn is not None:
+            t = _select(t, 0, head_rows(cut.heads, head_dim))
+        elif name == "self_attn.o_proj.weight":
+            t = _select(t, 1, head_rows(cut.heads, head_dim))
+        elif name == "self_attn.sinks":
+            t = _select(t, 0, cut.heads)
+    if cut.experts is not None and name.startswith(("mlp.experts.", "mlp.router.")):
+        t = _select(t, 0, cut.experts)
+    if cut.ffn is not None:
         if name.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
-            return t.index_select(0, torch.tensor(ffn)).contiguous()
-        if name == "mlp.down_proj.weight":
-            return t.index_select(1, torch.tensor(ffn)).contiguous()
-        if name.startswith("mlp.experts."):
-            raise PruneError("expert FFN widths are not pruned yet: prune experts and layers of MoE teachers")
+            t = _select(t, 0, cut.ffn)
+        elif name == "mlp.down_proj.weight":
+            t = _select(t, 1, cut.ffn)
+        elif name.startswith("mlp.experts."):
+            raise PruneError("an FFN width of the experts is --prune-moe-ffn-hidden-size (expert_ffn), not ffn")
+    if cut.expert_ffn is not None:
+        if name in ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias"):
+            t = _per_expert(t, t.dim() - 2, cut.expert_ffn, interleaved=True)
+        elif name == "mlp.experts.down_proj":
+            t = _per_expert(t, 0, cut.expert_ffn)
+        elif name.endswith(("_blocks", "_scales")):
+            raise PruneError(f"{name}: MXFP4 experts are cut in width only dequantized (dense_experts)")
+    if cut.hidden is not None:
+        if name in _HIDDEN_DIM:
+            t = _select(t, _HIDDEN_DIM[name], cut.hidden)
+        elif name.endswith(("_blocks", "_scales")):
+            raise PruneError(f"{name}: MXFP4 experts are cut in width only dequantized (dense_experts)")
     return t
 
 
 def pruned_state(tensors: dict[str, torch.Tensor], kept: KeptParts, head_dim: int | None = None) -> dict:
-    """The student's tensors from (part of) the teacher's, by Hugging Face name; ``head_dim``: the
-    attention's, needed when heads are cut."""
+    """The student's tensors from (part of) the teacher's, by Hugging Face name (MXFP4 experts
+    already dense where a width is cut: ``dense_experts``); ``head_dim``: the attention's, needed
+    when heads are cut."""
     out = {}
-    for i, rest, t, (experts, ffn, heads) in kept.entries(tensors, _LAYER):
+    for i, rest, t, cut in kept.entries(tensors, _LAYER):
         if i is None:
-            out[rest] = t
+            out[rest] = _select(t, _OUTER_HIDDEN_DIM[rest], cut.hidden) if (
+                cut.hidden is not None and rest in _OUTER_HIDDEN_DIM) else t
         else:
-            out[f"model.layers.{i}.{rest}"] = _cut(rest, t, experts, ffn, heads, head_dim)
+            out[f"model.layers.{i}.{rest}"] = _cut(rest, t, cut, head_dim)
+    return out
+
+
+def cuts_mxfp4_blocks(kept: KeptParts) -> bool:
+    """Whether the student selects along the inputs of MXFP4-blocked expert weights (either width)."""
+    return kept.expert_ffn is not None or kept.hidden is not None
+
+
+def mxfp4_to_dense(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The release's MXFP4 [E, out, in/32, 16] codes and [E, out, in/32] E8M0 scales as the dense
+    layout ``save_pretrained`` writes, [E, in, out] in ``dtype`` (exact in bf16: an FP4 E2M1 value
+    has two significant bits, the scale is a power of two). Codes: sign bit 3, magnitude bits 0-2;
+    element 2j in the low nibble, 2j + 1 in the high one (transformers' ``integrations/mxfp4.py``)."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], -1).flatten(-2).long()
+    values = _FP4_E2M1[codes] * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.flatten(-2).transpose(-1, -2).to(dtype).contiguous()
+
+
+def dense_experts(tensors: dict[str, torch.Tensor], waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with each MXFP4 pair (``{prefix}_blocks``, ``{prefix}_scales``) as the dense
+    ``{prefix}``; a pair's first half waits in ``waiting`` until the file that holds the other."""
+    out = {}
+    for name, t in tensors.items():
+        if not name.endswith(("_blocks", "_scales")):
+            out[name] = t
+            continue
+        waiting[name] = t
+        prefix = name.rsplit("_", 1)[0]
+        if prefix + "_blocks" in waiting and prefix + "_scales" in waiting:
+            out[prefix] = mxfp4_to_dense(waiting.pop(prefix + "_blocks"), waiting.pop(prefix + "_scales"))
     return out
 
 
@@ -95,6 +173,16 @@ def pruned_config(config: dict, kept: KeptParts) -> dict:
         if len(sizes) != 1:
             raise PruneError(f"every layer keeps the same FFN width, got {sorted(sizes)}")
         text["intermediate_size"] = sizes.pop()
+    if kept.expert_ffn is not None:
+        sizes = {len(c) for layer in kept.expert_ffn for c in layer}
+        if len(sizes) != 1:
+            raise PruneError(f"every expert keeps the same FFN width, got {sorted(sizes)}")
+        text["intermediate_size"] = sizes.pop()
+    if kept.hidden is not None:
+        text["head_dim"] = head_dim_of(text)
+        text["hidden_size"] = len(kept.hidden)
+    if cuts_mxfp4_blocks(kept):
+        config.pop("quantization_config", None)  # the experts are written dense
     if kept.heads is not None:
         sizes = {len(h) for h in kept.heads}
         if len(sizes) != 1:
@@ -121,15 +209,22 @@ def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptPart
     out_dir.mkdir(parents=True, exist_ok=True)
     teacher_config = json.loads((teacher_dir / "config.json").read_text())
     head_dim = head_dim_of(teacher_config.get("text_config", teacher_config))
-    weight_map, total = {}, 0
+    weight_map, total, waiting, dequantized = {}, 0, {}, False
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             metadata = st.metadata() or {"format": "pt"}
-            part = pruned_state({k: st.get_tensor(k) for k in st.keys()}, kept, head_dim)
+            tensors = {k: st.get_tensor(k) for k in st.keys()}
+        if cuts_mxfp4_blocks(kept):
+            dense = dense_experts(tensors, waiting)
+            dequantized |= dense.keys() != tensors.keys()
+            tensors = dense
+        part = pruned_state(tensors, kept, head_dim)
         if part:
             save_file(part, str(out_dir / f.name), metadata=metadata)
             weight_map.update({k: f.name for k in part})
             total += sum(t.numel() * t.element_size() for t in part.values())
+    if waiting:
+        raise PruneError(f"{teacher_dir}: MXFP4 {sorted(waiting)[0]} has no partner (_blocks with _scales)")
     if (teacher_dir / "model.safetensors.index.json").is_file():
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
@@ -138,5 +233,8 @@ def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptPart
     for f in teacher_dir.iterdir():
         if f.is_file() and f.name.startswith(_COPIED):
             shutil.copy(f, out_dir / f.name)
-    (out_dir / "prune.json").write_text(json.dumps({"teacher": str(teacher_dir), **kept.to_dict()}, indent=1))
+    record = {"teacher": str(teacher_dir), **kept.to_dict()}
+    if dequantized:  # the widths cut MXFP4's blocks of 32 inputs: these experts are no longer the release's bytes
+        record["mxfp4_dequantized"] = "experts written dense in bf16 (MXFP4 blocks run along the cut inputs)"
+    (out_dir / "prune.json").write_text(json.dumps(record, indent=1))
     return out_dir

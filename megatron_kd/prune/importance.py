@@ -1,4 +1,5 @@
-"""Activation-based importance of a megatron-core GPTModel's layers, experts and FFN channels.
+"""Activation-based importance of a megatron-core GPTModel's layers, experts, FFN channels, attention
+heads and hidden channels.
 
 One calibration pass of the teacher over the run's data (``megatron-kd prune``) with forward hooks
 on megatron-core's own modules, so it is the same for every architecture the model spec builds
@@ -14,7 +15,23 @@ gathered over tensor-parallel ones):
 - an FFN channel (dense MLP layers): the L2 norm over tokens of its activation, the input of
   ``linear_fc2`` (Minitron, Muralidharan et al. 2024);
 - an attention head: the L2 norm over tokens of its context, its slice of ``linear_proj``'s input
-  (Minitron's head score).
+  (Minitron's head score);
+- an expert's FFN channel: the L2 norm over the tokens routed to that expert of its activation at
+  the expert's fc2 input (Minitron's activation importance, per layer and expert; megatron-core
+  multiplies the activation by the token's routing probability before fc2, so a channel counts as
+  much as the expert's output weighs). The local spec's experts compute that activation in two
+  places: ``GroupedGemmExperts`` for all experts at once over expert-sorted rows, read through its
+  ``fc2_input`` tap (``ExpertActivationTap``, called with the rows per expert), and megatron-core's
+  ``SequentialMLP`` loop (CPU fp32), read at each local expert's ``linear_fc2``; statistics are
+  gathered over expert-tensor- and expert-parallel ranks and summed over expert-data-parallel ones,
+  with the groups the experts module holds;
+- a hidden channel: the sum over every norm (each layer's input and pre-MLP norm, and the final
+  norm) of the L2 norm over tokens of that norm's output channel (Minitron's embedding-channel score).
+  Only norms that are modules of their own are read (the local spec's); Transformer Engine's spec
+  fuses the layers' norms into the next linear, so no hidden scores come from it.
+
+Token-split statistics (layers, routing mass, norms) are summed over tensor-parallel ranks too where
+sequence parallelism splits the tokens over them.
 
 nvidia-modelopt's Minitron pruning (``modelopt.torch.prune``, mode ``mcore_minitron``) computes the
 same kind of scores, but imports Transformer Engine at module load and converts TE modules; the
@@ -39,6 +56,8 @@ class ImportanceScores:
     ffn: torch.Tensor | None  # [L, F] channel L2 norms, or None without dense MLP layers
     tokens: int  # calibration tokens seen (all data-parallel ranks)
     heads: torch.Tensor | None = None  # [L, heads] context L2 norms, or None where no attention was seen
+    expert_ffn: torch.Tensor | None = None  # [L, E, moe FFN] experts' channel L2 norms, or None without experts
+    hidden: torch.Tensor | None = None  # [hidden] norms' channel L2 norms summed over the norms, or None
 
     def to_dict(self) -> dict:
         out = {"group_size": self.group_size, "tokens": self.tokens, "layer_groups": self.layer_groups.tolist()}
@@ -46,8 +65,9 @@ class ImportanceScores:
             out["experts"] = self.experts.tolist()
         if self.ffn is not None:
             out["ffn"] = self.ffn.tolist()
-        if self.heads is not None:
-            out["heads"] = self.heads.tolist()
+        for name in ("heads", "expert_ffn", "hidden"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name).tolist()
         return out
 
 
@@ -66,23 +86,29 @@ class ImportanceCollector:
     """Accumulates the statistics of ``model``'s forward passes while in a ``with`` block.
 
     ``group_size``: layers per droppable group (a divisor of the layer count). ``tp_group`` /
-    ``dp_group``: the model's tensor- and data-parallel groups (None: one process).
+    ``dp_group``: the model's tensor- and data-parallel groups (None: one process);
+    ``sequence_parallel``: the tokens are split over ``tp_group`` between the layers.
     """
 
-    def __init__(self, model, *, group_size: int = 1, tp_group=None, dp_group=None):
+    def __init__(self, model, *, group_size: int = 1, tp_group=None, dp_group=None, sequence_parallel: bool = False):
         while not hasattr(model, "decoder") and hasattr(model, "module"):  # Float16Module, DDP wrappers
             model = model.module
+        self.final_norm = getattr(model.decoder, "final_layernorm", None)
         layers = list(model.decoder.layers)
         if len(layers) % group_size:
             raise ValueError(f"{len(layers)} layers do not split into groups of {group_size}")
         self.layers, self.group_size = layers, group_size
         self.tp_group, self.dp_group = tp_group, dp_group
+        self.token_groups = [g for g in (dp_group, tp_group if sequence_parallel else None) if g is not None]
         n = len(layers)
         self.cos_sum = torch.zeros(n // group_size, dtype=torch.float64)
         self.tokens = 0
         self.expert_mass: list[torch.Tensor | None] = [None] * n
         self.ffn_sq: list[torch.Tensor | None] = [None] * n
         self.head_sq: list[torch.Tensor | None] = [None] * n
+        self.expert_ffn_sq: list[torch.Tensor | None] = [None] * n  # [local experts, local channels]
+        self.expert_groups: list[tuple | None] = [None] * n  # (expert-TP, EP, expert-DP) groups
+        self.norm_sq: dict[int, torch.Tensor] = {}  # by the norm's position in ``norms()``
         self._group_input: torch.Tensor | None = None
         self._handles = []
 
@@ -123,6 +149,50 @@ class ImportanceCollector:
             self.head_sq[index] = sq if self.head_sq[index] is None else self.head_sq[index] + sq
         return hook
 
+    def _expert_fc2_pre(self, index, width: int, expert: int | None = None):
+        """fc2's input of one layer's experts: with ``expert`` one expert's rows (the sequential path),
+        else the grouped path's tap, called with (rows of every expert in expert order, rows per expert)."""
+        def hook(module, args):
+            act = args[0].detach()[:, :width].double()  # the grouped input's bias column and padding go
+            sq = self.expert_ffn_sq[index]
+            if expert is not None:
+                sq[expert] += act.square().sum(0).cpu()
+            else:
+                counts = torch.as_tensor(args[1], device=act.device)
+                rows = torch.repeat_interleave(torch.arange(len(counts), device=act.device), counts)
+                sq += act.new_zeros(len(counts), width).index_add_(0, rows, act.square()).cpu()
+        return hook
+
+    def _norm_post(self, position):
+        def hook(module, args, output):
+            out = (output[0] if isinstance(output, tuple) else output).detach()
+            sq = out.reshape(-1, out.shape[-1]).double().square().sum(0).cpu()
+            self.norm_sq[position] = sq if position not in self.norm_sq else self.norm_sq[position] + sq
+        return hook
+
+    def norms(self) -> list:
+        """The norms whose outputs score the hidden channels: each layer's input and pre-MLP norm,
+        then the final norm; [] where any of them is fused into the next linear (Transformer Engine's
+        spec: an ``IdentityOp`` in its place), which leaves its output unseen."""
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        found = [getattr(layer, name, None) for layer in self.layers
+                 for name in ("input_layernorm", "pre_mlp_layernorm")] + [self.final_norm]
+        return [] if any(m is None or isinstance(m, IdentityOp) for m in found) else found
+
+    def _hook_experts(self, index, experts) -> None:
+        local = list(getattr(experts, "local_experts", ()))
+        if not local:
+            return  # Transformer Engine's grouped experts: not read
+        width = local[0].linear_fc2.weight.shape[1]
+        if self.expert_ffn_sq[index] is None:
+            self.expert_ffn_sq[index] = torch.zeros(len(local), width, dtype=torch.float64)
+        self.expert_groups[index] = tuple(getattr(experts, g, None) for g in ("tp_group", "ep_group", "dp_group"))
+        for e, expert in enumerate(local):
+            self._handles.append(expert.linear_fc2.register_forward_pre_hook(self._expert_fc2_pre(index, width, e)))
+        if hasattr(experts, "fc2_input"):
+            self._handles.append(experts.fc2_input.register_forward_pre_hook(self._expert_fc2_pre(index, width)))
+
     def __enter__(self) -> "ImportanceCollector":
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(self._layer_pre(i), with_kwargs=True))
@@ -130,12 +200,16 @@ class ImportanceCollector:
             router = getattr(layer.mlp, "router", None)
             if router is not None:
                 self._handles.append(router.register_forward_hook(self._router_post(i)))
+                if getattr(layer.mlp, "experts", None) is not None:
+                    self._hook_experts(i, layer.mlp.experts)
             elif hasattr(layer.mlp, "linear_fc2"):
                 self._handles.append(layer.mlp.linear_fc2.register_forward_pre_hook(self._fc2_pre(i)))
             attention = getattr(layer, "self_attention", None)
             if attention is not None and hasattr(attention, "linear_proj"):
                 self._handles.append(attention.linear_proj.register_forward_pre_hook(
                     self._proj_pre(i, attention.hidden_size_per_attention_head)))
+        for position, norm in enumerate(self.norms()):
+            self._handles.append(norm.register_forward_hook(self._norm_post(position)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -152,18 +226,53 @@ class ImportanceCollector:
         dist.all_reduce(t, group=group)
         return t.cpu()
 
+    def _sum_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        """A per-token statistic summed over every rank's tokens (data parallel; tensor parallel under
+        sequence parallelism)."""
+        for group in self.token_groups:
+            t = self._sum_over(t, group)
+        return t
+
+    def _gather(self, t: torch.Tensor, group, dim: int) -> torch.Tensor:
+        """``t`` of every rank of ``group`` concatenated along ``dim`` in rank order."""
+        if group is None or dist.get_world_size(group) == 1:
+            return t
+        t = t.to(_device_of(group)).contiguous()
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t, group=group)
+        return torch.cat(parts, dim).cpu()
+
     def scores(self) -> ImportanceScores:
-        """The scores over every rank's calibration tokens (collective over ``dp_group`` and ``tp_group``)."""
-        tokens = int(self._sum_over(torch.tensor([float(self.tokens)], dtype=torch.float64), self.dp_group))
+        """The scores over every rank's calibration tokens (collective over ``dp_group`` and ``tp_group``,
+        and the experts' groups)."""
+        tokens = int(self._sum_tokens(torch.tensor([float(self.tokens)], dtype=torch.float64)))
         if tokens == 0:
             raise ValueError("no calibration tokens were seen: run the model's forward inside the collector")
-        cos = self._sum_over(self.cos_sum, self.dp_group)
+        cos = self._sum_tokens(self.cos_sum)
         experts = None
         if any(m is not None for m in self.expert_mass):
-            experts = torch.stack([self._sum_over(m, self.dp_group) for m in self.expert_mass])
+            experts = torch.stack([self._sum_tokens(m) for m in self.expert_mass])
         ffn, heads = self._norms(self.ffn_sq), self._norms(self.head_sq)
+        hidden = None
+        if self.norm_sq:
+            hidden = sum(self._sum_tokens(self.norm_sq[p]).sqrt() for p in sorted(self.norm_sq))
         return ImportanceScores(layer_groups=1 - cos / tokens, group_size=self.group_size, experts=experts,
-                                ffn=ffn, tokens=tokens, heads=heads)
+                                ffn=ffn, tokens=tokens, heads=heads, expert_ffn=self._expert_norms(), hidden=hidden)
+
+    def _expert_norms(self) -> torch.Tensor | None:
+        """[L, E, I] from each layer's [local experts, local channels] sums of squares: channels
+        gathered over expert-tensor-parallel ranks (contiguous blocks), experts over expert-parallel
+        ones (contiguous blocks of local experts), tokens summed over expert-data-parallel ones."""
+        if all(sq is None for sq in self.expert_ffn_sq):
+            return None
+        per_layer = []
+        for sq, groups in zip(self.expert_ffn_sq, self.expert_groups):
+            if sq is None:
+                raise ValueError("the experts' activation was read in some MoE layers only")
+            etp, ep, edp = groups
+            sq = self._gather(self._gather(sq, etp, 1), ep, 0)
+            per_layer.append(self._sum_over(sq, edp).sqrt())
+        return torch.stack(per_layer)
 
     def _norms(self, sums: list[torch.Tensor | None]) -> torch.Tensor | None:
         """[L, N] L2 norms from per-layer sums of squares over this rank's tokens and its tensor-parallel
@@ -199,7 +308,7 @@ def calibrate(teacher, dataset, *, num_samples: int, micro_batch_size: int, grou
     bar = tqdm(total=len(mine), unit="sample", desc="calibration",
                disable=not (progress and (not dist.is_initialized() or dist.get_rank() == 0)))
     collector = ImportanceCollector(teacher.model, group_size=group_size, tp_group=teacher.tp_group,
-                                    dp_group=dp_group)
+                                    dp_group=dp_group, sequence_parallel=teacher.sequence_parallel)
     start, tokens = time.perf_counter(), 0
     with collector:
         for i in range(0, len(mine), micro_batch_size):

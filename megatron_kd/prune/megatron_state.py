@@ -3,7 +3,8 @@
 The counterpart of ``hf_checkpoint.py`` for a teacher that is a megatron-core model in memory (a
 state dict of tensor-parallel size 1, megatron-core's local-spec names): the same ``KeptParts``, the
 same row and column selections, so every kept weight is the teacher's. The student is the model
-built with the student's sizes (``--num-layers``, ``--ffn-hidden-size``, ``--num-experts``), which
+built with the student's sizes (``--num-layers``, ``--ffn-hidden-size``, ``--num-experts``,
+``--moe-ffn-hidden-size``, ``--hidden-size`` with ``--kv-channels``...), which
 then loads the returned dict with ``strict=True``.
 
 - layers: ``decoder.layers.{i}.*`` renumbered;
@@ -14,7 +15,13 @@ then loads the returned dict with ``strict=True``.
 - attention heads: in ``self_attention.linear_qkv`` (megatron-core's fused layout, per query group
   its heads' queries, then its key and its value) the kept heads' query rows and every group's key
   and value rows; the kept heads' columns of ``linear_proj``; their ``core_attention.softmax_offset``
-  entries (sinks).
+  entries (sinks);
+- experts' FFN channels: per local expert (student index) its rows of ``linear_fc1`` (both halves
+  in a gated unit) and its bias, its columns of ``linear_fc2``;
+- hidden channels (the same everywhere): columns of the word (and position) embeddings, the output
+  layer, ``linear_qkv``, ``linear_fc1``, the router and the experts' ``linear_fc1``; rows (and bias)
+  of ``linear_proj``, ``linear_fc2`` and the experts' ``linear_fc2``; every norm's weight and bias.
+  The heads keep their width: the student is built with the teacher's ``kv_channels``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import re
 
 import torch
 
-from megatron_kd.prune.cuts import KeptParts, PruneError
+from megatron_kd.prune.cuts import KeptParts, LayerCut, PruneError
 from megatron_kd.prune.hf_checkpoint import head_rows
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -50,31 +57,58 @@ def qkv_rows(heads: list[int], num_heads: int, groups: int, head_dim: int) -> to
     return torch.tensor(rows)
 
 
-def _cut(name: str, t, experts: list[int] | None, ffn: list[int] | None, gated: bool,
-         heads: list[int] | None = None, attention: tuple[int, int, int] | None = None):
-    """The part of one layer's entry (``name`` after ``decoder.layers.{i}.``) the student keeps;
-    ``attention``: the teacher's (heads, query groups, head dim) where ``heads`` are cut."""
+# where a layer's entry holds the hidden channels (name after ``decoder.layers.{i}.``, experts' local
+# index dropped: dim)
+_HIDDEN_DIM = {"input_layernorm.weight": 0, "input_layernorm.bias": 0, "pre_mlp_layernorm.weight": 0,
+               "pre_mlp_layernorm.bias": 0, "self_attention.linear_qkv.weight": 1,
+               "self_attention.linear_proj.weight": 0, "self_attention.linear_proj.bias": 0,
+               "mlp.linear_fc1.weight": 1, "mlp.linear_fc2.weight": 0, "mlp.linear_fc2.bias": 0,
+               "mlp.router.weight": 1, "mlp.experts.linear_fc1.weight": 1, "mlp.experts.linear_fc2.weight": 0,
+               "mlp.experts.linear_fc2.bias": 0}
+_OUTER_HIDDEN_DIM = {"embedding.word_embeddings.weight": 1, "embedding.position_embeddings.weight": 1,
+                     "output_layer.weight": 1, "decoder.final_layernorm.weight": 0, "decoder.final_layernorm.bias": 0}
+
+
+def _select(t: torch.Tensor, dim: int, index) -> torch.Tensor:
+    return t.index_select(dim, torch.as_tensor(index)).contiguous()
+
+
+def _fc1_cut(t: torch.Tensor, channels: list[int], gated: bool) -> torch.Tensor:
+    """linear_fc1's rows (weight or bias) of ``channels``."""
+    return _select(t, 0, _ffn_rows(channels, t.shape[0] // 2 if gated else t.shape[0], gated))
+
+
+def _cut(name: str, t, cut: LayerCut, gated: bool, attention: tuple[int, int, int] | None = None,
+         expert: int | None = None):
+    """The part of one layer's entry the student keeps: ``name`` after ``decoder.layers.{i}.``, for a
+    local expert's entry ``mlp.experts.linear_fc*`` with its student index ``expert``; ``attention``:
+    the teacher's (heads, query groups, head dim) where ``heads`` are cut."""
     if not isinstance(t, torch.Tensor):
         return t  # _extra_state entries
-    if heads is not None:
+    if cut.heads is not None:
         num_heads, groups, head_dim = attention
         if name in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-            return t.index_select(0, qkv_rows(heads, num_heads, groups, head_dim)).contiguous()
-        if name == "self_attention.linear_proj.weight":
-            return t.index_select(1, head_rows(heads, head_dim)).contiguous()
-        if name == "self_attention.core_attention.softmax_offset":
-            return t.index_select(0, torch.tensor(heads)).contiguous()
-    if experts is not None and name in ("mlp.router.weight", "mlp.router.expert_bias"):
-        return t.index_select(0, torch.tensor(experts)).contiguous()
-    if ffn is None:
-        return t
-    if name.startswith("mlp.experts."):
-        raise PruneError("expert FFN widths are not pruned yet: prune experts and layers of MoE teachers")
-    if name in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
-        width = t.shape[0] // 2 if gated else t.shape[0]
-        return t.index_select(0, _ffn_rows(ffn, width, gated)).contiguous()
-    if name == "mlp.linear_fc2.weight":
-        return t.index_select(1, torch.tensor(ffn)).contiguous()
+            t = _select(t, 0, qkv_rows(cut.heads, num_heads, groups, head_dim))
+        elif name == "self_attention.linear_proj.weight":
+            t = _select(t, 1, head_rows(cut.heads, head_dim))
+        elif name == "self_attention.core_attention.softmax_offset":
+            t = _select(t, 0, cut.heads)
+    if cut.experts is not None and name in ("mlp.router.weight", "mlp.router.expert_bias"):
+        t = _select(t, 0, cut.experts)
+    if cut.ffn is not None:
+        if name.startswith("mlp.experts."):
+            raise PruneError("an FFN width of the experts is --prune-moe-ffn-hidden-size (expert_ffn), not ffn")
+        if name in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
+            t = _fc1_cut(t, cut.ffn, gated)
+        elif name == "mlp.linear_fc2.weight":
+            t = _select(t, 1, cut.ffn)
+    if cut.expert_ffn is not None and expert is not None:
+        if name in ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc1.bias"):
+            t = _fc1_cut(t, cut.expert_ffn[expert], gated)
+        elif name == "mlp.experts.linear_fc2.weight":
+            t = _select(t, 1, cut.expert_ffn[expert])
+    if cut.hidden is not None and name in _HIDDEN_DIM:
+        t = _select(t, _HIDDEN_DIM[name], cut.hidden)
     return t
 
 
@@ -86,14 +120,20 @@ def pruned_megatron_state(state: dict, kept: KeptParts, *, gated: bool,
     if kept.heads is not None and attention is None:
         raise ValueError("cutting attention heads needs the teacher's (heads, query groups, head dim)")
     out = {}
-    for i, rest, t, (experts, ffn, heads) in kept.entries(state, _LAYER):
+    for i, rest, t, cut in kept.entries(state, _LAYER):
         if i is None:
-            out[rest] = t
+            out[rest] = _select(t, _OUTER_HIDDEN_DIM[rest], cut.hidden) if (
+                cut.hidden is not None and rest in _OUTER_HIDDEN_DIM and isinstance(t, torch.Tensor)) else t
             continue
         e = _LOCAL_EXPERT.match(rest)
-        if e is not None and experts is not None:
-            if int(e.group(1)) not in experts:
+        if e is None:
+            out[f"decoder.layers.{i}.{rest}"] = _cut(rest, t, cut, gated, attention)
+            continue
+        expert = int(e.group(1))
+        if cut.experts is not None:
+            if expert not in cut.experts:
                 continue
-            rest = f"mlp.experts.local_experts.{experts.index(int(e.group(1)))}.{e.group(2)}"
-        out[f"decoder.layers.{i}.{rest}"] = _cut(rest, t, experts, ffn, gated, heads, attention)
+            expert = cut.experts.index(expert)
+        out[f"decoder.layers.{i}.mlp.experts.local_experts.{expert}.{e.group(2)}"] = _cut(
+            f"mlp.experts.{e.group(2)}", t, cut, gated, attention, expert)
     return out

@@ -153,6 +153,94 @@ def test_scores_and_choices_by_hand():
             choose_kept(scores, targets, num_layers=1, num_experts=None, ffn_hidden_size=3)
 
 
+class _Norm(nn.Module):
+    """A norm whose output is fixed."""
+
+    def __init__(self, out):
+        super().__init__()
+        self.out = out
+
+    def forward(self, x):
+        return self.out
+
+
+class _Experts(nn.Module):
+    """Experts whose fc2 inputs are fixed (``rows``: one [tokens routed to it, I] per expert), fed
+    as the grouped path feeds its tap (every expert's rows in expert order, then the bias column
+    and padding, with the rows per expert) or as the sequential path feeds each ``linear_fc2``."""
+
+    def __init__(self, rows, grouped):
+        from megatron_kd.models.experts import ExpertActivationTap
+
+        super().__init__()
+        self.rows, self.grouped = rows, grouped
+        self.local_experts = nn.ModuleList()
+        for r in rows:
+            self.local_experts.append(nn.Module())
+            self.local_experts[-1].linear_fc2 = nn.Linear(r.shape[1], 2, bias=False)
+        self.fc2_input = ExpertActivationTap()
+
+    def forward(self):
+        if self.grouped:
+            x = torch.cat(self.rows)
+            padded = torch.cat([x, torch.full((len(x), 1), 9.0), torch.zeros(len(x), 4)], 1)  # [a | p | 0]
+            self.fc2_input(padded, torch.tensor([len(r) for r in self.rows]))
+        else:
+            for expert, r in zip(self.local_experts, self.rows):
+                expert.linear_fc2(r)
+
+
+class _MoELayer(nn.Module):
+    """An MoE layer that leaves the hidden state as it is: router probabilities, experts' fc2
+    inputs and the outputs of its input and pre-MLP norms all fixed."""
+
+    def __init__(self, probs, rows, grouped, norms):
+        super().__init__()
+        self.input_layernorm, self.pre_mlp_layernorm = _Norm(norms[0]), _Norm(norms[1])
+        self.mlp = nn.Module()
+        self.mlp.router, self.mlp.experts = _Router(probs), _Experts(rows, grouped)
+
+    def forward(self, hidden_states):
+        self.input_layernorm(hidden_states)
+        self.mlp.router(hidden_states)
+        self.pre_mlp_layernorm(hidden_states)
+        self.mlp.experts()
+        return hidden_states, None
+
+
+def test_expert_channel_and_hidden_scores_by_hand():
+    # fc2 inputs of 3 experts of 3 channels: expert 0 gets two tokens, expert 1 one, expert 2 none
+    rows = [torch.tensor([[1.0, 2.0, 0.0], [0.0, 0.0, 2.0]]), torch.tensor([[3.0, 0.0, 4.0]]), torch.zeros(0, 3)]
+    per_expert = torch.tensor([[1.0, 2.0, 2.0], [3.0, 0.0, 4.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    probs = torch.tensor([[0.7, 0.3, 0.0], [0.0, 0.5, 0.5]])  # routing mass 0.7, 0.8, 0.5
+    # two tokens, hidden 2: per-channel L2 norms of the outputs (1, 2), (3, 4); (0, 1), (2, 0); final (√2, √2)
+    norms = [(torch.tensor([[1.0, 0.0], [0.0, 2.0]]), torch.tensor([[3.0, 4.0], [0.0, 0.0]])),
+             (torch.tensor([[0.0, 1.0], [0.0, 0.0]]), torch.tensor([[2.0, 0.0], [0.0, 0.0]]))]
+    model = _stack([_MoELayer(probs, rows, True, norms[0]), _MoELayer(probs, rows, False, norms[1])])
+    model.decoder.final_layernorm = _Norm(torch.ones(2, 2))
+    with ImportanceCollector(model) as collector:
+        hidden = torch.eye(2)
+        for layer in model.decoder.layers:
+            hidden = layer(hidden_states=hidden)[0]
+        model.decoder.final_layernorm(hidden)
+    scores = collector.scores()
+    # the grouped path (layer 0, its bias column and padding left out) and the sequential one (layer 1) agree
+    torch.testing.assert_close(scores.expert_ffn, torch.stack([per_expert, per_expert]))
+    torch.testing.assert_close(scores.hidden, torch.tensor([6 + math.sqrt(2), 7 + math.sqrt(2)], dtype=torch.float64))
+
+    sizes = dict(num_layers=2, num_experts=3, ffn_hidden_size=None, experts_per_token=1, moe_ffn_hidden_size=3,
+                 hidden_size=2)
+    kept = choose_kept(scores, PruneTargets(moe_ffn_hidden_size=2, hidden_size=1), **sizes)
+    assert kept.expert_ffn == [[[1, 2], [0, 2], [0, 1]]] * 2  # expert 2 saw no token: ties to the lower index
+    assert kept.hidden == [1]
+    kept = choose_kept(scores, PruneTargets(num_experts=2, moe_ffn_hidden_size=1), **sizes)
+    assert kept.experts == [[0, 1]] * 2 and kept.expert_ffn == [[[1], [2]]] * 2  # per kept expert, in its order
+    assert choose_kept(scores, PruneTargets(moe_ffn_hidden_size=3, hidden_size=2), **sizes).to_dict() == {
+        "layers": [0, 1], "experts": None, "ffn": None, "heads": None, "expert_ffn": None, "hidden": None,
+        "scores": scores.to_dict()}  # the teacher's sizes: nothing cut
+    assert scores.to_dict()["expert_ffn"] == [per_expert.tolist()] * 2
+
+
 # ---------------------------------------------------------------------------------- 2., 3. cuts
 def _transformers(path):
     import transformers
@@ -168,11 +256,13 @@ def test_cuts_that_keep_everything_give_back_the_teacher(tmp_path, seed):
     import json
 
     teacher = make_tiny_gpt_oss(tmp_path / "teacher", seed=seed)
-    kept = KeptParts(layers=[0, 1], experts=[[0, 1, 2, 3]] * 2)
-    student = write_pruned_hf(teacher, tmp_path / "student", kept)
-    assert_same_tensors(teacher, student)
-    assert json.loads((student / "config.json").read_text()) == json.loads((teacher / "config.json").read_text())
-    assert (student / "tokenizer.json").is_file() and (student / "prune.json").is_file()
+    every_channel = [[list(range(96))] * 4] * 2
+    for name, kept in [("experts", KeptParts(layers=[0, 1], experts=[[0, 1, 2, 3]] * 2)),
+                       ("widths", KeptParts(layers=[0, 1], expert_ffn=every_channel, hidden=list(range(64))))]:
+        student = write_pruned_hf(teacher, tmp_path / name, kept)
+        assert_same_tensors(teacher, student)
+        assert json.loads((student / "config.json").read_text()) == json.loads((teacher / "config.json").read_text())
+        assert (student / "tokenizer.json").is_file() and (student / "prune.json").is_file()
 
 
 def test_pruned_experts_are_the_teacher_with_them_routed_away(tmp_path, seed):
@@ -204,9 +294,84 @@ def test_pruned_layers_and_channels_are_the_teacher_without_them(tmp_path, seed)
         tokens = _tokens(seed, 64)
         assert rel_err(student(input_ids=tokens, use_cache=False).logits,
                        teacher(input_ids=tokens, use_cache=False).logits) < TOL
-    with pytest.raises(PruneError, match="expert FFN widths"):
+    with pytest.raises(PruneError, match="--prune-moe-ffn-hidden-size"):
         write_pruned_hf(make_tiny_gpt_oss(tmp_path / "moe", seed=seed), tmp_path / "x",
                         KeptParts(layers=[0, 1], ffn=[[0], [0]]))
+
+
+def _kept_channels(seed, layers, experts, width, keep):
+    """Each expert's ``keep`` of ``width`` channels, drawn at random and different for every expert."""
+    g = torch.Generator().manual_seed(seed)
+    return [[sorted(torch.randperm(width, generator=g)[:keep].tolist()) for _ in range(experts)] for _ in range(layers)]
+
+
+# the hidden dimension of Hugging Face Llama / GPT-OSS tensors by name (the others have none)
+_HF_HIDDEN_DIMS = [
+    (("embed_tokens.weight", "lm_head.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+      "up_proj.weight", "router.weight"), 1),
+    (("o_proj.weight", "o_proj.bias", "mlp.down_proj.weight", "layernorm.weight", "model.norm.weight"), 0),
+    (("experts.gate_up_proj", "experts.down_proj_bias"), 1), (("experts.down_proj",), 2)]
+
+
+def test_pruned_expert_channels_are_the_teacher_without_them(tmp_path, seed):
+    """Experts 96 -> 48 wide (and 4 -> 3 experts): the teacher with the cut channels' down_proj rows
+    zeroed; MXFP4 experts come out dense in bf16, the same numbers as the dense teacher's cut."""
+    import json
+
+    from hf_equality import safetensors_of
+
+    teacher_dir = make_tiny_gpt_oss(tmp_path / "teacher", seed=seed)
+    kept = KeptParts(layers=[0, 1], experts=[[0, 2, 3], [1, 2, 3]], expert_ffn=_kept_channels(seed, 2, 3, 96, 48))
+    student_dir = write_pruned_hf(teacher_dir, tmp_path / "student", kept)
+    student = _transformers(student_dir)
+    assert student.config.intermediate_size == 48 and student.config.num_local_experts == 3
+    teacher = _transformers(teacher_dir)
+    with torch.no_grad():
+        for layer, keep, channels in zip(teacher.model.layers, kept.experts, kept.expert_ffn):
+            layer.mlp.router.bias[[e for e in range(4) if e not in keep]] = -1e4
+            for e, ch in zip(keep, channels):
+                layer.mlp.experts.down_proj[e, [c for c in range(96) if c not in ch]] = 0.0
+        tokens = _tokens(seed, GPT_OSS_SEQ)
+        assert rel_err(student(input_ids=tokens).logits, teacher(input_ids=tokens).logits) < TOL
+
+    mxfp4_dir = write_pruned_hf(make_tiny_gpt_oss(tmp_path / "mxfp4", seed=seed, layout="mxfp4"),
+                                tmp_path / "from_mxfp4", kept)
+    dense, dequantized = safetensors_of(student_dir), safetensors_of(mxfp4_dir)
+    assert dense.keys() == dequantized.keys()
+    for key, t in dequantized.items():
+        assert t.dtype == (torch.bfloat16 if key.endswith(("gate_up_proj", "down_proj")) else torch.float32), key
+        assert torch.equal(t.float(), dense[key]), key
+    assert "quantization_config" not in json.loads((mxfp4_dir / "config.json").read_text())
+    assert "bf16" in json.loads((mxfp4_dir / "prune.json").read_text())["mxfp4_dequantized"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_a_narrower_student_holds_the_teachers_kept_channels(tmp_path, seed, arch):
+    """Hidden 64 -> 40: every tensor the teacher's kept rows / columns, the student loads without a
+    missing, unexpected or mismatched tensor and runs; the heads keep their width (head_dim)."""
+    from hf_equality import safetensors_of
+
+    teacher_dir = (make_tiny("llama", tmp_path / "teacher", seed=seed) if arch == "llama"
+                   else make_tiny_gpt_oss(tmp_path / "teacher", seed=seed))
+    hidden = sorted(torch.randperm(64, generator=torch.Generator().manual_seed(seed))[:40].tolist())
+    kept = KeptParts(layers=[0, 1], hidden=hidden)
+    student_dir = write_pruned_hf(teacher_dir, tmp_path / "student", kept)
+    import transformers
+
+    student, info = transformers.AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32,
+                                                                     output_loading_info=True)
+    assert not any(info.values()), info
+    assert student.config.hidden_size == 40 and student.config.head_dim == (24 if arch == "llama" else 16)
+    with torch.no_grad():
+        logits = student(input_ids=_tokens(seed, GPT_OSS_SEQ), use_cache=False).logits
+    assert logits.shape == (2, GPT_OSS_SEQ, 1000) and torch.isfinite(logits).all()
+    teacher, cut = safetensors_of(teacher_dir), safetensors_of(student_dir)
+    h = torch.tensor(hidden)
+    assert teacher.keys() == cut.keys()
+    for key, t in teacher.items():
+        dim = next((d for suffixes, d in _HF_HIDDEN_DIMS if key.endswith(suffixes)), None)
+        assert torch.equal(cut[key], t if dim is None else t.index_select(dim, h)), key
+    assert cut["model.embed_tokens.weight"].shape == (1000, 40)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
@@ -354,7 +519,7 @@ def _megatron_state_worker(rank, world, seed, gated):
                     layer.self_attention.linear_proj.weight[:, h * 8:(h + 1) * 8] = 0.0
             ours, theirs = student(tokens, positions, None), teacher(tokens, positions, None)
         assert rel_err(ours, theirs) < TOL, rel_err(ours, theirs)
-        with pytest.raises(PruneError, match="expert FFN widths"):
+        with pytest.raises(PruneError, match="--prune-moe-ffn-hidden-size"):
             pruned_megatron_state({"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": torch.zeros(2, 2)},
                                   KeptParts(layers=[0], ffn=[[0]]), gated=gated)
 
@@ -371,9 +536,17 @@ def test_student_flags_keep_the_head_width():
 
     args = SimpleNamespace(kv_channels=None, hidden_size=3072, num_attention_heads=24)  # Llama-3.2-3B: 128 wide
     opts = SimpleNamespace(prune_num_layers=None, prune_num_experts=None, prune_ffn_hidden_size=4096,
-                           prune_num_attention_heads=16, out="/models/student")
+                           prune_num_attention_heads=16, prune_moe_ffn_hidden_size=None, prune_hidden_size=None,
+                           out="/models/student")
     assert student_flags(args, opts) == ["--ffn-hidden-size", "4096", "--num-attention-heads", "16",
                                          "--kv-channels", "128", "--kd-student-hf", "/models/student"]
+    # GPT-OSS-120B narrower, with narrower experts: 64 heads of 64 over 2,048 channels
+    args = SimpleNamespace(kv_channels=64, hidden_size=2880, num_attention_heads=64)
+    opts = SimpleNamespace(prune_num_layers=None, prune_num_experts=None, prune_ffn_hidden_size=None,
+                           prune_num_attention_heads=None, prune_moe_ffn_hidden_size=1440, prune_hidden_size=2048,
+                           out="/models/student")
+    assert student_flags(args, opts) == ["--moe-ffn-hidden-size", "1440", "--hidden-size", "2048",
+                                         "--kv-channels", "64", "--kd-student-hf", "/models/student"]
 
 
 def _fewer_heads_worker(rank, world, tmp, seed):
