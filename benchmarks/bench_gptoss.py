@@ -70,14 +70,24 @@ def model_flags(opts) -> list[str]:
     return flags
 
 
+def mlp_flops_per_token(args) -> float:
+    """Forward matmul FLOPs of one layer's MLP per token: the router and the top-k experts (gated:
+    three matrices each) of an MoE layer; a dense MLP's three matrices when gated (``--swiglu``),
+    else two."""
+    h = args.hidden_size
+    if args.num_experts:
+        return 2 * h * args.num_experts + args.moe_router_topk * 2 * 3 * h * args.moe_ffn_hidden_size
+    return 2 * (3 if args.swiglu else 2) * h * args.ffn_hidden_size
+
+
 def model_flops(args, seq: int, document: int | None = None) -> float:
-    """Matmul FLOPs of forward + backward for one sequence of ``seq`` tokens (3x forward);
-    ``document``: packed documents of that many tokens kept apart, each query attending within
-    its own document (the causal half of a document, not of the sequence)."""
+    """Matmul FLOPs of forward + backward for one sequence of ``seq`` tokens (3x forward), of an
+    MoE or a dense model; ``document``: packed documents of that many tokens kept apart, each
+    query attending within its own document (the causal half of a document, not of the sequence)."""
     from megatron.core.transformer.utils import is_layer_window_attention
 
-    h, n, g, d = args.hidden_size, args.num_attention_heads, args.num_query_groups, args.kv_channels
-    ffn, topk, experts = args.moe_ffn_hidden_size, args.moe_router_topk, args.num_experts
+    h, n, d = args.hidden_size, args.num_attention_heads, args.kv_channels
+    g = args.num_query_groups if args.group_query_attention else n
     per_token = 0.0
     for layer in range(1, args.num_layers + 1):
         window = is_layer_window_attention(args.window_size, args.window_attn_skip_freq, layer)
@@ -85,7 +95,7 @@ def model_flops(args, seq: int, document: int | None = None) -> float:
         keys = min(args.window_size[0] + 1, span) if window else (span + 1) / 2  # average keys per query
         per_token += 2 * h * (n * d + 2 * g * d) + 2 * n * d * h  # q/k/v and output projections
         per_token += 2 * 2 * n * d * keys  # scores and values
-        per_token += 2 * h * experts + topk * 2 * (h * 2 * ffn + ffn * h)  # router and experts
+        per_token += mlp_flops_per_token(args)
     per_token += 2 * h * args.padded_vocab_size  # logits
     return 3 * per_token * seq
 

@@ -1,5 +1,6 @@
-"""GPT-OSS students at full depth through ``megatron-kd train`` on one node: step time, model
-TFLOP/s per GPU and peak memory per loss path and memory layout, against ``megatron-kd plan``.
+"""GPT-OSS and Llama students at full depth through ``megatron-kd train`` on one node: step time,
+tokens/s and model TFLOP/s per GPU and peak memory per loss path and memory layout, against
+``megatron-kd plan``.
 
     python benchmarks/bench_node.py --size 20b --gpus 8 --out runs/node20b                # fused, ce, dense
     python benchmarks/bench_node.py --size 120b --gpus 8 --experts 64 --losses fused --out runs/node120b
@@ -8,13 +9,35 @@ TFLOP/s per GPU and peak memory per loss path and memory layout, against ``megat
         --recompute block:10 --recompute-modules moe_act --optimizer fused --memory-snapshot \\
         --also "--losses ce"                                         # and Megatron's CE in the recipe's layout
 
-What runs is what users run: torchrun, ``megatron-kd train`` with the recipe's flags
-(examples/gpt_oss: architecture, size and its one-node layout, expert parallelism capped at
-``--gpus``), ``--bf16 --calculate-per-token-loss``, Megatron's optimizer step included. Only the
-values are synthetic, because no checkpoint reaches the machine and neither memory nor speed depends
-on them: random-initialized weights, uniformly random tokens, and a teacher cache that
-``megatron-kd cache build`` writes from a tiny random Hugging Face teacher whose logits are scaled to
-teacher-like distributions (top-1 probability ~0.4, top-100 mass ~0.93).
+The one-GPU Llama table: a Llama-3.2-3B student (examples/llama/3b.sh) distilled from
+Llama-3.1-8B-Instruct's vocabulary (128,256 ids, a top-100 cache) on one H200. At 8K, 8 samples per
+step (micro-batch 1, 65,536 tokens; the product's origin states no batch), 3b.sh's layout (no
+recompute) with Megatron's optimizer, and the fused path once more with bf16-sr-8bit:
+
+    python benchmarks/bench_node.py --size llama3-3b --losses fused,ce,dense,online --iters 6 \
+        --also "--losses fused --optimizer bf16-sr-8bit" --out runs/llama3b-8k
+
+At 32K, 64K and 128K tokens per sample, 65,536 tokens per step (2 samples at 32K, one sample at 64K
+and at 128K), bf16-sr-8bit, the recompute ``megatron-kd plan --search`` ranks first for each run
+(no recompute at 32K, block 14 at 64K, block 21 at 128K for the fused path: examples/llama/3b_128k.sh;
+Megatron's CE fits no layout at 128K and is reported so, not run), and every layer recomputed beside it:
+
+    for seq in 32768 65536 131072; do
+      python benchmarks/bench_node.py --size llama3-3b --seq $seq --losses fused,ce --iters 5 \
+          --recompute plan --optimizer bf16-sr-8bit --also "--losses fused --recompute full --optimizer bf16-sr-8bit" \
+          --out runs/llama3b-$seq
+    done
+
+What runs is what users run: torchrun, ``megatron-kd train`` with the recipe's flags (examples/gpt_oss
+or examples/llama: architecture, size and its layout, expert parallelism capped at ``--gpus``),
+``--bf16 --calculate-per-token-loss``, Megatron's optimizer step included. Only the values are
+synthetic, because no checkpoint reaches the machine and neither memory nor speed depends on them:
+random-initialized weights, uniformly random tokens, and a teacher cache that ``megatron-kd cache
+build`` writes from a tiny random Hugging Face teacher at the student's vocabulary whose logits are
+scaled to teacher-like distributions (top-1 probability ~0.4, top-100 mass ~0.93). ``--size``
+(``SIZES``) names the recipe, the vocabulary, the defaults (GPUs, --seq, global batch, recompute)
+and the teacher of online KD: 20b, 120b (8 GPUs, 32K, 2 samples per GPU, full recompute) and
+llama3-3b (1 GPU, 8K, 65,536 tokens per GPU, no recompute, the 8B teacher).
 
 ``--rank-of N``: one rank of an N-GPU node on one GPU. In the recipe's layout (EP = N) a rank holds
 experts / N of the experts and, with top-k routing over them, computes the expert FLOPs of all its
@@ -27,10 +50,16 @@ Per loss path, one ``megatron-kd train`` run:
   ce     no teacher, Megatron's output layer + cross-entropy (``--kd-ce-impl megatron``)
   fused-ce  no teacher, cross-entropy through the fused op (the default without a cache)
   dense  KD on materialized logits (``--kd-impl dense``; expected out of memory at 32K)
+  online the teacher in the same process (llama3-3b: examples/llama/8b.sh, random weights, bf16, no
+         grad) and dense KL over the full vocabulary: benchmarks/online_kd.py, a benchmark-only
+         path around ``megatron-kd train``'s entry; the plan does not count its teacher
 Memory layout and optimizer, passed to Megatron-LM (the recipe's own recompute flags are replaced):
-  --recompute full | block:N | selective | none   full: every layer (the recipe's uniform, 1 layer);
+  --recompute full | block:N | selective | none | plan   full: every layer (uniform, 1 layer);
                  block:N: the first N layers whole (--recompute-method block), the others not;
-                 selective: the --recompute-modules only; none: no recompute
+                 selective: the --recompute-modules only; none: no recompute; plan: the layout
+                 ``megatron-kd plan --search`` ranks first for the run (its flags and loss path,
+                 141GB) with the run's parallel sizes and micro-batch, labelled with it; a run no
+                 layout fits is reported, not run
   --recompute-modules moe_act,...   Megatron's --recompute-modules (moe_act: the experts' activation,
                  which megatron_kd's experts also honour under block recompute for the other layers)
   --offload-modules expert_fc1,...  --fine-grained-activation-offloading (needs Transformer Engine)
@@ -42,22 +71,25 @@ GPTDataset; --packing documents adds --reset-attention-mask --reset-position-ids
 to the cache build and every run (attention and positions within each document).
   --also "<options>"  one more configuration in the same call: losses, layout, optimizer and label
                  options over their defaults (the model, data and --out are this call's)
-Each (loss, configuration) is one run, labelled "<loss>" for the recipe's layout, else
+Each (loss, configuration) is one run, labelled "<loss>" for the size's default layout, else
 "<loss> <what differs>" (or ``--label``): results.json keeps every label, and a label that
 finished is skipped when re-run.
 
 Reported from Megatron's own log: median time per iteration after the first two, peak allocated
-memory (``--log-memory-interval``, data-parallel rank 0), out-of-memory if it happens. Model
-TFLOP/s per GPU in two conventions = FLOPs per step / GPUs / step time:
+memory (``--log-memory-interval``, data-parallel rank 0), out-of-memory if it happens; tokens/s per
+GPU = global batch x --seq / GPUs / step time; beside the plan's GiB, the peaks the product's origin
+reported where the size has them (llama3-3b at 8K: 58.3 GB fused, 102.8 GB online). Model TFLOP/s
+per GPU in two conventions = FLOPs per step / GPUs / step time:
   bench     the matmuls of forward and backward (``bench_gptoss.model_flops``): attention scores
             and values over the causal half on full layers and 128 keys on window layers, the
-            gated experts' three matrices; recompute not counted. With --packing documents the
+            gated experts' (and a gated dense MLP's) three matrices; recompute not counted. With --packing documents the
             attention is counted per document (the causal half of each --document-tokens document),
             as the attention kernels compute it
   megatron  Megatron-LM's ``num_floating_point_operations`` on the run's arguments (what
             ``--log-throughput`` prints, also parsed from the log): full causal attention on every
             layer (it knows no windows), the gated-unit factor only from ``--swiglu`` (GPT-OSS's
-            ``--quick-geglu`` counts the experts as two matrices)
+            ``--quick-geglu`` counts the experts as two matrices); for a dense Llama the two agree
+            but for half a key per query
 ``--memory-snapshot`` passes ``--record-memory-history --memory-snapshot-path`` and summarizes the
 allocator snapshot that Megatron dumps after the last iteration into ``memory_<label>.json``
 (bytes by category and the allocation sites, between iterations and at the peak of the recorded
@@ -69,6 +101,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import json
 import math
@@ -80,17 +113,73 @@ import statistics
 import subprocess
 import sys
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "models"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-VOCAB = 201088  # GPT-OSS's embedding rows; NullTokenizer ids 0..201086, end-of-document 201087
 TEACHER_HIDDEN = 64
-TEACHER_LOGIT_STD = 5.5  # Gaussian logits over 201,088 ids: top-1 p ~0.4, top-100 mass ~0.93
-LOSSES = ("fused", "ce", "fused-ce", "dense")
+# Gaussian logits: top-1 p ~0.4, top-100 mass ~0.93 over 201,088 ids (the max of 128,256 such logits
+# is 2% lower: about the same distribution)
+TEACHER_LOGIT_STD = 5.5
+TOPK = 100  # the cache's K
+LOSSES = ("fused", "ce", "fused-ce", "dense", "online")
+ONLINE_ENTRY = ROOT / "benchmarks" / "online_kd.py"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A model as examples/ spells it: ``<family>/<arch>`` then ``<family>/<size>``, whose arrays
+    ``<prefix>_ARCH``, ``_SIZE`` and ``_LAYOUT`` are the flags the family's distill.sh passes."""
+    family: str
+    arch: str
+    size: str
+    prefix: str
+
+    def flags(self, *, layout: bool = True) -> list[str]:
+        here = ROOT / "examples" / self.family
+        arrays = [f'"${{{self.prefix}_{part}[@]}}"' for part in ("ARCH", "SIZE", *(("LAYOUT",) if layout else ()))]
+        script = f'source "{here / self.arch}"; source "{here / self.size}"; printf "%s\\n" {" ".join(arrays)}'
+        out = subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout
+        return out.split("\n")[:-1]
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """One ``--size``: the student's recipe and vocabulary, its runs' defaults, and the teacher of
+    ``--losses online``. The cache's teacher is always the tiny random one (``write_teacher``)
+    at this vocabulary, K = TOPK; the model FLOPs come from the flags (``bench_gptoss.model_flops``:
+    MoE or dense)."""
+    recipe: Recipe
+    vocab: int  # embedding rows; NullTokenizer ids 0..vocab-2, end-of-document vocab-1
+    gpus: int  # default --gpus
+    seq: int  # default --seq
+    recompute: str  # default --recompute: the layout whose runs are labelled by their loss alone
+    samples_per_gpu: int = 2  # default global batch: micro-batches of one sample per GPU, or
+    tokens_per_gpu: int | None = None  # this many tokens per GPU per step (at least one sample)
+    online_teacher: Recipe | None = None  # --losses online: the teacher's architecture and size
+    origin_gb: dict = field(default_factory=dict)  # {loss: GB} the origin reported at origin_seq
+    origin_seq: int | None = None
+
+    @functools.cached_property
+    def moe(self) -> bool:
+        return "--num-experts" in self.recipe.flags(layout=False)
+
+
+LLAMA3 = dict(family="llama", arch="llama3.sh", prefix="LLAMA3")
+SIZES = {
+    "20b": ModelSize(Recipe("gpt_oss", "gpt_oss.sh", "20b.sh", "GPT_OSS"), vocab=201088, gpus=8, seq=32768,
+                     recompute="full"),
+    "120b": ModelSize(Recipe("gpt_oss", "gpt_oss.sh", "120b.sh", "GPT_OSS"), vocab=201088, gpus=8, seq=32768,
+                      recompute="full"),
+    # Llama-3.2-3B from Llama-3.1-8B-Instruct on one GPU (both 128,256 ids): 8 samples of 8K per step,
+    # no recompute (3b.sh); the origin's peaks at 8K: 58.3 GB fused, 102.8 GB online
+    "llama3-3b": ModelSize(Recipe(size="3b.sh", **LLAMA3), vocab=128256, gpus=1, seq=8192, recompute="none",
+                           tokens_per_gpu=65536, online_teacher=Recipe(size="8b.sh", **LLAMA3),
+                           origin_gb={"fused": 58.3, "online": 102.8}, origin_seq=8192),
+}
 # --optimizer: the flags of each choice (megatron: what megatron-core builds from its own flags)
 OPTIMIZER_FLAGS = {"megatron": [], "fused": ["--kd-fused-adam"], "bf16-sr-8bit": ["--kd-optimizer", "bf16-sr-8bit"]}
 # the recipe's recompute and optimizer flags, replaced by --recompute / --recompute-modules / --optimizer
@@ -106,9 +195,10 @@ PACKING_FLAGS = {"none": [], "documents": ["--reset-attention-mask", "--reset-po
 
 
 def recompute_choice(text: str) -> str:
-    if text in ("full", "selective", "none") or re.fullmatch(r"block:[1-9][0-9]*", text):
+    if text in ("full", "selective", "none", "plan") or re.fullmatch(r"block:[1-9][0-9]*", text):
         return text
-    raise argparse.ArgumentTypeError(f"--recompute: expected full, selective, none or block:N (N >= 1), got {text!r}")
+    raise argparse.ArgumentTypeError(f"--recompute: expected full, selective, none, plan or block:N (N >= 1), "
+                                     f"got {text!r}")
 
 
 def module_list(text: str) -> list[str]:
@@ -117,21 +207,24 @@ def module_list(text: str) -> list[str]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=("20b", "120b"), default="20b")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs of the run (default 8; 1 with --rank-of)")
+    p.add_argument("--size", choices=tuple(SIZES), default="20b")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="GPUs of the run (default: the size's, 8 for GPT-OSS, 1 for Llama; 1 with --rank-of)")
     p.add_argument("--rank-of", type=int, default=None, metavar="N",
                    help="one rank of an N-GPU node on one GPU: experts / N local experts, expert parallel 1")
     p.add_argument("--layers", type=int, default=None, help="override the recipe's depth")
     p.add_argument("--experts", type=int, default=None, help="override the recipe's number of experts")
-    p.add_argument("--seq", type=int, default=32768)
-    p.add_argument("--global-batch-size", type=int, default=None, help="default: 2 micro-batches per GPU")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sample (default: the size's, 32K / Llama 8K)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: 2 micro-batches per GPU (GPT-OSS), 65,536 tokens per GPU (Llama)")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--packing", choices=tuple(PACKING_FLAGS), default="none",
                    help="documents: attention and positions kept within each packed document")
     p.add_argument("--document-tokens", type=int, default=8192,
                    help="tokens per document of the random data, its EOD included (default 8192)")
     p.add_argument("--losses", default="fused,ce,dense")
-    p.add_argument("--recompute", type=recompute_choice, default="full")
+    p.add_argument("--recompute", type=recompute_choice, default=None,
+                   help="default: the size's (GPT-OSS full, Llama none)")
     p.add_argument("--recompute-modules", type=module_list, default=None)
     p.add_argument("--offload-modules", type=module_list, default=None)
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_FLAGS), default="megatron")
@@ -146,13 +239,19 @@ def parser() -> argparse.ArgumentParser:
 
 
 def recipe_experts(size: str) -> int:
-    from tiny_gpt_oss import recipe_flags
-
-    flags = recipe_flags(size)
+    flags = SIZES[size].recipe.flags()
     return int(flags[len(flags) - 1 - flags[::-1].index("--num-experts") + 1])
 
 
+def default_global_batch(size: ModelSize, seq: int, gpus: int) -> int:
+    per_gpu = max(1, size.tokens_per_gpu // seq) if size.tokens_per_gpu else size.samples_per_gpu
+    return per_gpu * gpus
+
+
 def _finish(p: argparse.ArgumentParser, opts: argparse.Namespace) -> argparse.Namespace:
+    size = SIZES[opts.size]
+    if not size.moe and (opts.rank_of is not None or opts.experts is not None):
+        p.error(f"--rank-of / --experts: the {opts.size} recipe has no experts")
     if opts.rank_of is not None:
         if opts.gpus not in (None, 1) or opts.experts is not None:
             p.error("--rank-of N sets --gpus 1 and --experts (experts / N): give neither")
@@ -160,14 +259,21 @@ def _finish(p: argparse.ArgumentParser, opts: argparse.Namespace) -> argparse.Na
         if opts.rank_of < 1 or experts % opts.rank_of:
             p.error(f"--rank-of must divide the {opts.size} recipe's {experts} experts, got {opts.rank_of}")
         opts.gpus, opts.experts = 1, experts // opts.rank_of
-    opts.gpus = opts.gpus or 8
-    opts.global_batch_size = opts.global_batch_size or 2 * opts.gpus
+    opts.gpus = opts.gpus or size.gpus
+    opts.seq = opts.seq or size.seq
+    opts.global_batch_size = opts.global_batch_size or default_global_batch(size, opts.seq, opts.gpus)
+    opts.recompute = opts.recompute or size.recompute
     opts.out = opts.out.resolve()  # the launcher runs from the repository root
-    unknown = set(opts.losses.split(",")) - set(LOSSES)
-    if unknown:
-        p.error(f"unknown losses {sorted(unknown)}: choose from {LOSSES}")
-    if opts.recompute_modules and opts.recompute == "none":
-        p.error("--recompute-modules needs --recompute selective, full or block:N")
+    losses = set(opts.losses.split(","))
+    if losses - set(LOSSES):
+        p.error(f"unknown losses {sorted(losses - set(LOSSES))}: choose from {LOSSES}")
+    if "online" in losses and size.online_teacher is None:
+        p.error(f"--losses online: the {opts.size} size has no online teacher (llama3-3b has the 8B)")
+    if "online" in losses and opts.recompute == "plan":
+        p.error("--losses online with --recompute plan: megatron-kd plan does not count an online teacher; "
+                "give the layout (--recompute full, ...)")
+    if opts.recompute_modules and opts.recompute in ("none", "plan"):
+        p.error("--recompute-modules needs --recompute selective, full or block:N (plan picks its own)")
     if opts.offload_modules and not importlib.util.find_spec("transformer_engine"):
         p.error("--offload-modules: Megatron's fine-grained activation offloading needs Transformer Engine "
                 "(megatron-core 0.19 asserts --transformer-impl transformer_engine), not installed here")
@@ -197,11 +303,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def layout_label(opts) -> str:
-    """What differs from the recipe's layout: '' for the recipe's own."""
+    """What differs from the size's default layout: '' for that one."""
     if opts.label:
         return opts.label
     parts = []
-    if opts.recompute != "full":
+    if opts.recompute != SIZES[opts.size].recompute:
         parts.append(f"recompute={opts.recompute}")
     if opts.recompute_modules:
         parts.append("modules=" + ",".join(opts.recompute_modules))
@@ -226,7 +332,7 @@ def data_flags(opts, data_prefix: str) -> list[str]:
     """Flags the cache build and every training run share (the cache is keyed by their samples)."""
     return ["--data-path", data_prefix, "--split", "100,0,0", "--seq-length", str(opts.seq), "--seed", "1234",
             "--train-iters", str(opts.iters), "--global-batch-size", str(opts.global_batch_size),
-            "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+            "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(SIZES[opts.size].vocab),
             "--data-cache-path", str(opts.out / "work" / "index-cache"), "--num-workers", "2",
             "--eval-iters", "0", "--eval-interval", "1000000", *PACKING_FLAGS[opts.packing]]
 
@@ -256,10 +362,10 @@ def strip_flags(flags: list[str], drop: dict[str, int]) -> list[str]:
 
 
 def student_flags(opts) -> list[str]:
-    from tiny_gpt_oss import recipe_flags
-
-    flags = [*strip_flags(recipe_flags(opts.size), RECIPE_RECOMPUTE_FLAGS), *no_te_flags(),
-             "--seq-length", str(opts.seq), "--expert-model-parallel-size", str(min(8, opts.gpus))]
+    size = SIZES[opts.size]
+    flags = [*strip_flags(size.recipe.flags(), RECIPE_RECOMPUTE_FLAGS), *no_te_flags(), "--seq-length", str(opts.seq)]
+    if size.moe:
+        flags += ["--expert-model-parallel-size", str(min(8, opts.gpus))]
     if opts.layers:
         flags += ["--num-layers", str(opts.layers)]
     if opts.experts:
@@ -267,10 +373,14 @@ def student_flags(opts) -> list[str]:
     return flags
 
 
-def layout_flags(opts) -> list[str]:
-    """Megatron-LM flags of this configuration's recompute, offload and optimizer choices."""
+def layout_flags(opts, planned=None) -> list[str]:
+    """Megatron-LM flags of this configuration's recompute, offload and optimizer choices;
+    ``--recompute plan``: ``planned``'s recompute (a plan ``Layout``), none without it (what
+    ``planned_layout`` searches from)."""
     flags = []
-    if opts.recompute == "full":
+    if opts.recompute == "plan":
+        flags += planned.recompute_flags() if planned is not None else []
+    elif opts.recompute == "full":
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     elif opts.recompute.startswith("block:"):
         flags += ["--recompute-granularity", "full", "--recompute-method", "block",
@@ -295,26 +405,27 @@ def write_data(opts) -> str:
 
     from megatron_kd.megatron.data import write_indexed_dataset
 
-    n = opts.document_tokens
-    prefix = opts.out / "work" / "data" / f"random-doc{n}"
+    n, vocab = opts.document_tokens, SIZES[opts.size].vocab
+    prefix = opts.out / "work" / "data" / f"random-v{vocab}-doc{n}"
     if not Path(str(prefix) + ".idx").exists():
         tokens = math.ceil(1.1 * opts.global_batch_size * opts.iters * (opts.seq + 1)) + n
         rng = np.random.default_rng(0)
-        docs = ([*rng.integers(0, VOCAB - 1, size=n - 1), VOCAB - 1] for _ in range(tokens // n + 1))
-        write_indexed_dataset(prefix, docs, VOCAB)
+        docs = ([*rng.integers(0, vocab - 1, size=n - 1), vocab - 1] for _ in range(tokens // n + 1))
+        write_indexed_dataset(prefix, docs, vocab)
     return str(prefix)
 
 
 def write_teacher(opts) -> Path:
     """A one-layer random Llama at the student's vocabulary, its output layer scaled so that the
     logits of a normalized hidden state have std TEACHER_LOGIT_STD."""
-    path = opts.out / "work" / "teacher-hf"
+    vocab = SIZES[opts.size].vocab
+    path = opts.out / "work" / f"teacher-hf-v{vocab}"
     if not (path / "config.json").exists():
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=TEACHER_HIDDEN, intermediate_size=2 * TEACHER_HIDDEN,
+        config = LlamaConfig(vocab_size=vocab, hidden_size=TEACHER_HIDDEN, intermediate_size=2 * TEACHER_HIDDEN,
                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
                              max_position_embeddings=opts.seq, tie_word_embeddings=False)
         model = LlamaForCausalLM(config)
@@ -324,9 +435,14 @@ def write_teacher(opts) -> Path:
     return path
 
 
-def torchrun(opts, args: list[str], log: Path) -> tuple[int, str]:
-    """``megatron-kd args`` on ``--gpus`` GPUs through the project's launcher (launch/torchrun.sh)."""
+def torchrun(opts, args: list[str], log: Path, script: Path | None = None) -> tuple[int, str]:
+    """``megatron-kd args`` on ``--gpus`` GPUs through the project's launcher (launch/torchrun.sh);
+    ``script``: that Python file instead, with the launcher's environment (launch/env.sh)."""
     cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"), *args]
+    if script is not None:
+        launch = ('source "$0/launch/env.sh"; exec "${TORCHRUN[@]}" --standalone --nproc-per-node "$GPUS" '
+                  '--master-port "${MASTER_PORT:-29500}" "$@"')
+        cmd = ["bash", "-c", launch, str(ROOT), str(script), *args]
     env = {**os.environ, "GPUS": str(opts.gpus), "PYTHON": sys.executable}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=opts.timeout)
@@ -338,19 +454,25 @@ def torchrun(opts, args: list[str], log: Path) -> tuple[int, str]:
 
 
 def cache_name(opts) -> str:
-    """One cache per data and packing (a cache built without packing refuses a packed run)."""
-    return f"cache-doc{opts.document_tokens}-{opts.packing}"
+    """One cache per vocabulary, sequence length, data and packing (a cache built without packing
+    refuses a packed run)."""
+    return f"cache-v{SIZES[opts.size].vocab}-s{opts.seq}-doc{opts.document_tokens}-{opts.packing}"
+
+
+def cache_build_args(opts, data_prefix: str, teacher: Path, cache: Path) -> list[str]:
+    """``megatron-kd cache build`` of the tiny teacher at ``teacher`` (``write_teacher``: the size's
+    vocabulary) over the runs' data, top-TOPK."""
+    model = ["--num-layers", "1", "--hidden-size", str(TEACHER_HIDDEN), "--num-attention-heads", "4",
+             "--max-position-embeddings", str(opts.seq), *no_te_flags(), "--bf16"]
+    return ["cache", "build", *data_flags(opts, data_prefix), *model, "--kd-teacher-hf", str(teacher),
+            "--kd-cache", str(cache), "--kd-topk", str(TOPK)]
 
 
 def build_cache(opts, data_prefix: str) -> Path:
     cache = opts.out / "work" / cache_name(opts)
     done = cache.with_name(cache.name + ".done")
     if not done.exists():
-        teacher = write_teacher(opts)
-        model = ["--num-layers", "1", "--hidden-size", str(TEACHER_HIDDEN), "--num-attention-heads", "4",
-                 "--max-position-embeddings", str(opts.seq), *no_te_flags(), "--bf16"]
-        rc, text = torchrun(opts, ["cache", "build", *data_flags(opts, data_prefix), *model,
-                                   "--kd-teacher-hf", str(teacher), "--kd-cache", str(cache), "--kd-topk", "100"],
+        rc, text = torchrun(opts, cache_build_args(opts, data_prefix, write_teacher(opts), cache),
                             opts.out / "cache_build.log")
         if rc != 0:
             raise SystemExit(f"cache build failed (exit {rc}), see {opts.out / 'cache_build.log'}:\n{text[-3000:]}")
@@ -359,8 +481,16 @@ def build_cache(opts, data_prefix: str) -> Path:
 
 
 def loss_flags(loss: str, cache: Path) -> list[str]:
+    """``online``: no cache, the teacher in the process (``online_command``)."""
     return {"fused": ["--kd-cache", str(cache)], "dense": ["--kd-cache", str(cache), "--kd-impl", "dense"],
-            "ce": ["--kd-ce-impl", "megatron"], "fused-ce": []}[loss]
+            "ce": ["--kd-ce-impl", "megatron"], "fused-ce": [], "online": []}[loss]
+
+
+def online_command(opts, flags: list[str]) -> list[str]:
+    """benchmarks/online_kd.py's arguments: the teacher's model flags (its recipe without layout),
+    then the student's ``megatron-kd train`` flags."""
+    teacher = SIZES[opts.size].online_teacher.flags(layout=False)
+    return ["--online-teacher", shlex.join(teacher), *flags]
 
 
 def _steady(values: list[float]) -> float | None:
@@ -381,11 +511,31 @@ def parse_log(text: str) -> dict:
     return out
 
 
-def plan_gib(flags: list[str], gpus: int, loss: str) -> float:
+def plan_loss(loss: str) -> str:
+    return "fused" if loss.startswith("fused") else loss
+
+
+def plan_gib(flags: list[str], gpus: int, loss: str) -> float | None:
+    """The plan of the run; None for online KD (the plan knows no teacher in the process)."""
     from megatron_kd.megatron.plan import GIB, estimate, plan_args
 
+    if loss == "online":
+        return None
     args, layout = plan_args(flags, gpus)
-    return estimate(args, layout, gpus=gpus, loss="fused" if loss.startswith("fused") else loss).total / GIB
+    return estimate(args, layout, gpus=gpus, loss=plan_loss(loss), kd_topk=TOPK).total / GIB
+
+
+def planned_layout(flags: list[str], gpus: int, loss: str):
+    """``--recompute plan``: the layout ``megatron-kd plan --search`` ranks first for the run
+    ``flags`` (model, data, optimizer and extra flags, the loss path, one H200's memory) among those
+    with the run's own parallel sizes and micro-batch: on one GPU, its recompute. None if none fits."""
+    from megatron_kd.megatron.plan import DEFAULT_GPU_MEMORY, parse_size, plan_args, search
+
+    args, run = plan_args(flags, gpus)
+    sizes = lambda layout: (layout.tp, layout.pp, layout.ep, layout.cp, layout.micro_batch)  # noqa: E731
+    fits = [p for p in search(args, gpus, gpu_memory=parse_size(DEFAULT_GPU_MEMORY), loss=plan_loss(loss),
+                              kd_topk=TOPK) if sizes(p.layout) == sizes(run)]
+    return fits[0].layout if fits else None
 
 
 def model_flops_per_step(args, opts) -> float:
@@ -578,31 +728,46 @@ def plan_static_gib(flags: list[str], gpus: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+def _number(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
 def markdown(results: dict) -> str:
-    lines = [f"# {results['size']} student, {results['layers']} layers x {results['experts']} experts, "
-             f"{results['seq']:,} tokens, {results['gpus']} GPUs, global batch {results['global_batch_size']}", ""]
+    experts = f" x {results['experts']} experts" if results.get("experts") else ""
+    lines = [f"# {results['size']} student, {results['layers']} layers{experts}, {results['seq']:,} tokens, "
+             f"{results['gpus']} GPUs, global batch {results['global_batch_size']}", ""]
     if results.get("packing", "none") != "none":
         lines += [f"Packed documents of {results['document_tokens']:,} tokens kept apart ({results['packing']}: "
                   + " ".join(PACKING_FLAGS[results["packing"]]) + ").", ""]
     if results.get("rank_of"):
         lines += [rank_note(results), ""]
+    origin = results.get("origin_gb") or {}
+    if origin:
+        lines += ["Origin: the peaks the product's origin reported on one H200 for this student and teacher at this "
+                  "length, in GB as it printed them (1 GiB = 1.074 GB).", ""]
     per_document = " attention counted per document," if results.get("packing", "none") != "none" else ""
     lines += [f"Model FLOPs per step: {results['model_tflop_per_step']:.0f} TFLOP (bench convention,{per_document} "
               f"recompute not counted), "
               f"{results['megatron_tflop_per_step']:.0f} TFLOP (Megatron-LM's num_floating_point_operations). "
               f"{results.get('cache', '')}", "",
-              "| run | step (s) | model TFLOP/s per GPU: bench | Megatron | peak GiB (rank 0) | plan GiB | plan error |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+              "| run | step (s) | tokens/s per GPU | model TFLOP/s per GPU: bench | Megatron | peak GiB (rank 0) "
+              "| plan GiB | plan error |" + (" origin GB |" if origin else ""),
+              "|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if origin else "")]
     for label, r in results["runs"].items():
-        if r.get("oom") or r["step_s"] is None:
-            lines.append(f"| {label} | {'OOM' if r.get('oom') else 'failed (exit %s)' % r['rc']} | | | | "
-                         f"{r['plan_gib']:.1f} | |")
+        name = label + (f" ({r['plan_layout']})" if r.get("plan_layout") else "")
+        theirs = f" {_number(origin.get(r['loss']), '.1f')} |" if origin else ""
+        plan = _number(r.get("plan_gib"), ".1f")
+        if r.get("no_fit"):
+            lines.append(f"| {name} | not run: plan --search finds no layout that fits | | | | | | |" + theirs)
             continue
-        err = "" if r["peak_gib"] is None else f"{r['plan_gib'] / r['peak_gib'] - 1:+.1%}"
-        peak = "" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        megatron = f"{r['megatron_tflops_per_gpu']:.0f}" if "megatron_tflops_per_gpu" in r else ""
-        lines.append(f"| {label} | {r['step_s']:.2f} | {r['tflops_per_gpu']:.0f} | {megatron} "
-                     f"| {peak} | {r['plan_gib']:.1f} | {err} |")
+        if r.get("oom") or r["step_s"] is None:
+            lines.append(f"| {name} | {'OOM' if r.get('oom') else 'failed (exit %s)' % r['rc']} | | | | | {plan} | |"
+                         + theirs)
+            continue
+        err = "" if r["peak_gib"] is None or r.get("plan_gib") is None else f"{r['plan_gib'] / r['peak_gib'] - 1:+.1%}"
+        lines.append(f"| {name} | {r['step_s']:.2f} | {_number(r.get('tokens_per_s_per_gpu'), ',.0f')} "
+                     f"| {r['tflops_per_gpu']:.0f} | {_number(r.get('megatron_tflops_per_gpu'), '.0f')} "
+                     f"| {_number(r['peak_gib'], '.1f')} | {plan} | {err} |" + theirs)
     moved = {label: r for label, r in results["runs"].items() if "all_to_all_s" in r}
     if moved:
         lines += ["", f"The expert all-to-alls a real rank adds (not run here; uniform routing, at least this at "
@@ -633,9 +798,11 @@ def main(argv=None):
     from megatron_kd.megatron.plan import plan_args
 
     args, _ = plan_args(student, opts.gpus)
+    size = SIZES[opts.size]
     results.update(size=opts.size, layers=args.num_layers, experts=args.num_experts, seq=opts.seq, gpus=opts.gpus,
                    global_batch_size=opts.global_batch_size, iters=opts.iters, rank_of=opts.rank_of,
                    packing=opts.packing, document_tokens=opts.document_tokens,
+                   origin_gb=size.origin_gb if opts.seq == size.origin_seq else {},
                    model_tflop_per_step=model_flops_per_step(args, opts) / 1e12,
                    megatron_tflop_per_step=megatron_flops_per_step(args, opts) / 1e12)
     if opts.rank_of:
@@ -649,17 +816,30 @@ def main(argv=None):
         label = run_label(loss, config)
         if results["runs"].get(label, {}).get("rc") == 0:
             continue
-        flags = [*student, *layout_flags(config), *loss_flags(loss, cache)]
+        planned = planned_layout([*student, *layout_flags(config)], opts.gpus, loss) \
+            if config.recompute == "plan" else None
+        if config.recompute == "plan" and planned is None:
+            results["runs"][label] = {"loss": loss, "rc": None, "step_s": None, "plan_gib": None, "no_fit": True}
+            print(f"{label}: megatron-kd plan --search finds no layout of this run that fits one H200", flush=True)
+            continue
+        flags = [*student, *layout_flags(config, planned), *loss_flags(loss, cache)]
         snapshot = opts.out / "work" / f"snapshot_{slug(label)}.pickle"
         if config.memory_snapshot:
             snapshot.unlink(missing_ok=True)
             flags += ["--record-memory-history", "--memory-snapshot-path", str(snapshot)]
-        rc, text = torchrun(opts, ["train", *flags], opts.out / f"train_{slug(label)}.log")
-        r = {"loss": loss, "layout_flags": layout_flags(config), "rc": rc, **parse_log(text),
+        log = opts.out / f"train_{slug(label)}.log"
+        if loss == "online":
+            rc, text = torchrun(opts, online_command(opts, flags), log, script=ONLINE_ENTRY)
+        else:
+            rc, text = torchrun(opts, ["train", *flags], log)
+        r = {"loss": loss, "layout_flags": layout_flags(config, planned), "rc": rc, **parse_log(text),
              "plan_gib": plan_gib(flags, opts.gpus, loss)}
+        if planned is not None:
+            r["plan_layout"] = planned.describe()
         if opts.rank_of:
             r.update(all_to_all_estimate(plan_args(flags, opts.gpus)[0], opts))
         if r["step_s"]:
+            r["tokens_per_s_per_gpu"] = opts.global_batch_size * opts.seq / opts.gpus / r["step_s"]
             r["tflops_per_gpu"] = results["model_tflop_per_step"] / opts.gpus / r["step_s"]
             r["megatron_tflops_per_gpu"] = results["megatron_tflop_per_step"] / opts.gpus / r["step_s"]
         if config.memory_snapshot:
@@ -672,6 +852,7 @@ def main(argv=None):
         results["runs"][label] = r
         print(f"{label}: {json.dumps(r)}", flush=True)
         results_path.write_text(json.dumps(results, indent=1))
+    results_path.write_text(json.dumps(results, indent=1))
     (opts.out / "results.md").write_text(markdown(results))
     print(markdown(results))
 

@@ -73,6 +73,7 @@ from megatron_kd.ops.topk_kl_function import triton_block_budget
 from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory
 
 GIB = 2**30
+DEFAULT_GPU_MEMORY = "141GB"  # one H200
 _DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 
@@ -389,6 +390,17 @@ def candidate_layouts(args, gpus: int, *, local_spec: bool):
                 yield layout
 
 
+def search(args, gpus: int, *, gpu_memory: float, host_memory: float | None = None, loss: str = "fused",
+           kd_topk: int = 100) -> list[Plan]:
+    """``--search``: the plans of the candidate layouts that fit ``gpu_memory`` per GPU (and
+    ``host_memory`` per node), fastest first by ``step_cost`` (then the smaller)."""
+    local = args.transformer_impl == "local"
+    fits = [p for p in (estimate(args, layout, gpus=gpus, loss=loss, kd_topk=kd_topk)
+                        for layout in candidate_layouts(args, gpus, local_spec=local))
+            if p.total <= gpu_memory and (host_memory is None or p.host_bytes * gpus <= host_memory)]
+    return sorted(fits, key=lambda p: (step_cost(args, p.layout, gpus), p.total))
+
+
 def format_plan(plan: Plan, gpu_memory: float, host_memory: float | None, gpus: int) -> str:
     lines = [f"layout {plan.layout.describe()} on {gpus} GPUs; per GPU (most loaded rank):",
              f"  parameters      {plan.params['non-expert'] / 1e9:8.2f} B non-expert + "
@@ -455,7 +467,7 @@ def _plan_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], float
 
     ours = FlagParser(prog="megatron-kd plan", add_help=False)
     ours.add_argument("--gpus", type=int, default=8)
-    ours.add_argument("--gpu-memory", default="141GB")
+    ours.add_argument("--gpu-memory", default=DEFAULT_GPU_MEMORY)
     ours.add_argument("--host-memory", default=None)
     ours.add_argument("--loss", choices=("fused", "dense", "ce"), default="fused")
     ours.add_argument("--search", action="store_true")
@@ -486,11 +498,7 @@ def main(argv: list[str]) -> int:
     print(format_plan(plans[opts.loss], gpu_memory, host_memory, opts.gpus))
     print("  loss paths: " + ", ".join(f"{loss} {p.total / GIB:.1f} GiB" for loss, p in plans.items()))
     if opts.search:
-        local = args.transformer_impl == "local"
-        fits = [p for p in (estimate(args, lay, gpus=opts.gpus, loss=opts.loss, kd_topk=kd_topk)
-                            for lay in candidate_layouts(args, opts.gpus, local_spec=local))
-                if p.total <= gpu_memory and (host_memory is None or p.host_bytes * opts.gpus <= host_memory)]
-        fits.sort(key=lambda p: (step_cost(args, p.layout, opts.gpus), p.total))
+        fits = search(args, opts.gpus, gpu_memory=gpu_memory, host_memory=host_memory, loss=opts.loss, kd_topk=kd_topk)
         print(f"\nlayouts that fit ({len(fits)}), fastest first:" if fits else
               "\nno layout fits: more GPU or host memory, more nodes, or LoRA (see README)")
         for p in fits[:opts.top]:

@@ -20,6 +20,7 @@ import sys
 import traceback
 from functools import partial
 
+from megatron_kd.data.loss_mask import with_loss_masks
 from megatron_kd.errors import FlagError, FlagParser, UserError
 from megatron_kd.megatron.args import KDConfig, add_kd_args, check_kd_flags
 from megatron_kd.megatron.data import repair_index_cache
@@ -93,7 +94,8 @@ def is_dataset_built_on_rank(vp_stage=None):
 
 def build_datasets(train_val_test_num_samples, is_built_on_rank=is_dataset_built_on_rank):
     """GPT dataset splits exactly as Megatron-LM's pretrain_gpt builds them (the teacher pass uses
-    this too, so sample indices agree), after removing torn cached index files."""
+    this too, so sample indices agree), after removing torn cached index files; a data prefix with
+    a chat loss mask (``megatron-kd data chat``) has it joined to each sample's loss mask."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
     from megatron.training import get_args, get_tokenizer
@@ -103,7 +105,7 @@ def build_datasets(train_val_test_num_samples, is_built_on_rank=is_dataset_built
     config = gpt_dataset_config(args, tokenizer)
     repair_index_cache(config)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, is_built_on_rank, config)
-    return builder.build(), tokenizer
+    return [with_loss_masks(split) for split in builder.build()], tokenizer
 
 
 def consumed_train_samples(args) -> int:
@@ -327,7 +329,9 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, step=None) -> None:
+    """The run; ``step``: another ``forward_step_func`` over the same model, data and optimizer
+    (benchmarks/online_kd.py's, which adds a teacher in the process), ``forward_step`` by default."""
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -342,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
 
         use_fused_torch_adamw()
     pretrain(pretrain_cfg_container_from_args(args), datasets_provider, ModelType.encoder_or_decoder,
-             forward_step, model_provider=partial(model_provider))
+             step or forward_step, model_provider=partial(model_provider))
 
 
 if __name__ == "__main__":
