@@ -202,6 +202,7 @@ class CacheWriter:
                 self._unlock()
                 raise
         self._buffers: dict[int, dict] = {}  # shard index -> {"ids", "logprobs", "filled"}
+        self._flushing: set[int] = set()  # full shards handed out by ``buffer``, not yet written by ``flush``
 
     def _open_partition(self) -> None:
         if partition_attrs(self.path, self.meta, self.rank) is not None:
@@ -324,14 +325,33 @@ class CacheWriter:
     def store(self, encoded: EncodedSamples) -> int:
         """The second half of ``write``: buffer encoded samples and write each shard they fill.
         Returns how many samples were new."""
+        new, full = self.buffer(encoded)
+        for shard in full:
+            self.flush(shard)
+        return new
+
+    def buffer(self, encoded: EncodedSamples) -> tuple[int, list[int]]:
+        """``store`` without the writing: place encoded samples in their shards' buffers. Returns how
+        many samples were new and the shards they filled, each to be written by ``flush`` (on any
+        thread, shards concurrently: write_behind.py); until then samples of those shards count as
+        done here. Calls of ``buffer`` must not overlap each other."""
         with _os_errors(self.path / partition_name(self.rank)):
             return self._store(encoded)
 
-    def _store(self, encoded: EncodedSamples) -> int:
+    def flush(self, shard: int) -> None:
+        """Write a shard that ``buffer`` filled: its data files, its binding record, then its rows_done."""
+        try:
+            with _os_errors(self.path / partition_name(self.rank)):
+                self._flush(shard)
+        finally:
+            self._flushing.discard(shard)
+
+    def _store(self, encoded: EncodedSamples) -> tuple[int, list[int]]:
         self._check_open()
-        new = 0
+        new, full = 0, []
         for i, row in enumerate(encoded.rows.tolist()):
-            if self.done[row]:
+            # a shard being flushed marks its rows done after its data: test it first
+            if row // self.shard_rows in self._flushing or self.done[row]:
                 continue
             shard = row // self.shard_rows
             buf = self._buffers.get(shard)
@@ -343,8 +363,9 @@ class CacheWriter:
                 buf["filled"][local] = True
                 new += 1
             if buf["filled"].all():
-                self._flush(shard)
-        return new
+                self._flushing.add(shard)
+                full.append(shard)
+        return new, full
 
     def _shard_range(self, shard: int) -> tuple[int, int]:
         start = shard * self.shard_rows

@@ -72,6 +72,7 @@ NUMERIC_FLAG_RULES = {
     "kd_topk": Range(1, integer=True),
     "kd_samples": Range(1, integer=True),
     "kd_capture_temperature": Range(0, low_open=True),
+    "kd_cache_workers": Range(1, integer=True),
 }
 
 
@@ -197,6 +198,10 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "~190 bytes/token); topk-v1: the first format. A resumed build keeps its store's.")
     group.add_argument("--kd-samples", type=int, default=None,
                        help="Draws per token in sampled mode (>= 1; default: --kd-topk).")
+    group.add_argument("--kd-cache-workers", type=int, default=None,
+                       help="Teacher pass: threads per data-parallel rank that compress and write the cache's "
+                            "shards behind the forward (>= 1; default: the CPU cores of the rank, its node's cores "
+                            "divided by the ranks on it, at most 8). The store's bytes do not depend on it.")
     group.add_argument("--kd-capture-temperature", type=float, default=1.0,
                        help="Teacher pass: temperature of the teacher's softmax at capture (> 0).")
     group.add_argument("--kd-teacher-hf", type=str, default=None,

@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = capture_teacher(teacher, train, writer,
                               CaptureConfig(topk=k, mode=mode, temperature=args.kd_capture_temperature,
                                             micro_batch_size=args.micro_batch_size, seed=args.seed,
-                                            chunk_size=args.kd_chunk_size), device=device)
+                                            chunk_size=args.kd_chunk_size, store_workers=args.kd_cache_workers),
+                              device=device)
     if writer is not None:
         writer.close()
     totals = torch.tensor([summary["samples"], summary["tokens"], summary["mean_teacher_mass"] * summary["tokens"]],

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megatron_kd.cache.write_behind import WriteBehind
+from megatron_kd.cache.write_behind import WriteBehind, default_workers
 from megatron_kd.ops.comm import group_rank, group_size
 from megatron_kd.ops.topk import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
 
@@ -38,6 +38,9 @@ class CaptureConfig:
     """Seed of sampled mode; a token's draws depend on (seed, sample index, position) only."""
     chunk_size: int | None = None
     """Tokens per projection chunk (None: automatic)."""
+    store_workers: int | None = None
+    """Threads that compress and write the cache's shards behind the forward (None: from the CPU
+    cores of this rank, ``write_behind.default_workers``)."""
 
 
 def _broadcast_pending(writer, tp_group, device) -> np.ndarray:
@@ -74,8 +77,9 @@ def capture_teacher(teacher, dataset, writer, cfg: CaptureConfig, *, device=None
                disable=not (progress and is_writer and (not dist.is_initialized() or dist.get_rank() == 0)))
     tokens_done, mass_sum, start = 0, 0.0, time.perf_counter()
     # stores go behind the forward (write_behind.py): the GPU runs micro-batch i + 1 while the
-    # host compresses and writes micro-batch i
-    with WriteBehind(writer) if is_writer else contextlib.nullcontext() as behind:
+    # host compresses and writes the shards micro-batches up to i filled
+    workers = cfg.store_workers or default_workers()
+    with WriteBehind(writer, workers=workers) if is_writer else contextlib.nullcontext() as behind:
         for i in range(0, len(pending), mbs):
             samples = pending[i:i + mbs]
             items = [dataset[int(s)] for s in samples]
