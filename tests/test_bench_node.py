@@ -244,3 +244,96 @@ def test_all_to_all_estimate_of_a_rank(tmp_path):
         got = all_to_all_estimate(args, opts)
         assert got["all_to_all_gb"] == pytest.approx(per_pass * (4 * 24 + 2 * recomputed) * 2 / 1e9)
         assert got["all_to_all_s"] == pytest.approx(got["all_to_all_gb"] / 450)
+
+
+# ---------------------------------------------------------------------------------------------
+# the one-GPU Llama size: Llama-3.2-3B from Llama-3.1-8B's vocabulary
+
+
+def test_llama_size_defaults_and_flags(tmp_path):
+    from bench_node import TOPK, cache_build_args, online_command
+
+    from megatron_kd.megatron.train import parse_flags
+
+    opts = parse(["--size", "llama3-3b", "--losses", "fused,ce,dense,online", "--out", str(tmp_path)])
+    assert (opts.gpus, opts.seq, opts.global_batch_size, opts.recompute) == (1, 8192, 8, "none")
+    student = parse_flags(train_flags(opts, "/d"), prog="test")
+    assert (student.num_layers, student.hidden_size, student.ffn_hidden_size, student.num_attention_heads,
+            student.num_query_groups, student.vocab_size, student.seq_length) == (28, 3072, 8192, 24, 8, 128256, 8192)
+    assert not student.untie_embeddings_and_output_weights and student.expert_model_parallel_size == 1
+    assert layout_flags(opts) == [] and run_label("online", opts) == "online"  # 3b.sh's layout: no recompute
+    cache = cache_build_args(opts, "/d", tmp_path / "teacher", tmp_path / "cache")
+    assert _last(cache, "--kd-topk") == str(TOPK) == "100" and _last(cache, "--vocab-size") == "128256"
+    command = online_command(opts, ["--student-flag"])
+    assert command[0] == "--online-teacher" and command[-1] == "--student-flag"
+    teacher = parse_flags(command[1].split(), prog="test")  # examples/llama/8b.sh over llama3.sh
+    assert (teacher.num_layers, teacher.hidden_size, teacher.ffn_hidden_size, teacher.num_attention_heads,
+            teacher.rope_scaling_factor, teacher.untie_embeddings_and_output_weights) == (32, 4096, 14336, 32, 8, True)
+    # 65,536 tokens per step: 2 samples at 32K, at least one at 128K
+    assert [parse(["--size", "llama3-3b", "--seq", str(s), "--out", str(tmp_path)]).global_batch_size
+            for s in (32768, 131072)] == [2, 1]
+    for bad in (["--rank-of", "8"], ["--experts", "4"], ["--losses", "online", "--recompute", "plan"],
+                ["--recompute", "plan", "--recompute-modules", "moe_act"]):
+        with pytest.raises(SystemExit):
+            parse(["--size", "llama3-3b", *bad, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # GPT-OSS has no online teacher here
+        parse(["--size", "20b", "--losses", "online", "--out", str(tmp_path)])
+
+
+def test_dense_model_flops_by_hand(tmp_path):
+    """Llama-3.2-3B at 8K, by hand: per token and layer q/k/v (24 + 2 x 8 heads of 128 from 3,072),
+    the output projection, scores and values over (8,192 + 1) / 2 keys, the gated MLP's three
+    3,072 x 8,192 matrices; the tied logits; x 3 for backward; 8 samples."""
+    from megatron_kd.megatron.plan import plan_args
+
+    opts = parse(["--size", "llama3-3b", "--out", str(tmp_path)])
+    args, _ = plan_args(train_flags(opts, "/d"), opts.gpus)
+    h, seq = 3072, 8192
+    layer = 2 * h * (24 + 2 * 8) * 128 + 2 * 24 * 128 * h + 2 * 2 * 24 * 128 * (seq + 1) / 2 + 3 * 2 * h * 8192
+    per_step = 3 * (28 * layer + 2 * h * 128256) * seq * 8
+    assert model_flops_per_step(args, opts) == pytest.approx(per_step, rel=1e-12)
+    assert per_step / 1e12 == pytest.approx(1540.3, abs=0.1)
+    # Megatron-LM counts a dense SwiGLU model the same, but for its s / 2 keys per query
+    half_key = 3 * 2 * 2 * 24 * 128 * 0.5 * 28 * seq * 8
+    assert megatron_flops_per_step(args, opts) == pytest.approx(per_step - half_key, rel=1e-9)
+
+
+def test_plan_layout_is_the_long_context_recipe(tmp_path):
+    """--recompute plan at 128K with bf16-sr-8bit takes what plan --search ranks first, the layout
+    examples/llama/3b_128k.sh records; Megatron's CE fits no layout there; at 32K no recompute."""
+    from bench_node import SIZES, Recipe, planned_layout
+
+    def planned(seq, loss):
+        opts = parse(["--size", "llama3-3b", "--seq", str(seq), "--recompute", "plan", "--optimizer", "bf16-sr-8bit",
+                      "--out", str(tmp_path)])
+        return planned_layout([*train_flags(opts, "/d"), *layout_flags(opts)], opts.gpus, loss)
+
+    recipe = Recipe(size="3b_128k.sh", family="llama", arch="llama3.sh", prefix="LLAMA3").flags()
+    assert recipe[:recipe.index("--tensor-model-parallel-size")] == SIZES["llama3-3b"].recipe.flags(layout=False)
+    layout = planned(131072, "fused")
+    assert layout.recompute_flags() == ["--recompute-granularity", "full", "--recompute-method", "block",
+                                        "--recompute-num-layers", "21"]
+    assert all(flag in recipe for flag in layout.recompute_flags()) and _last(recipe, "--seq-length") == "131072"
+    assert _last(recipe, "--kd-optimizer") == "bf16-sr-8bit"
+    assert planned(131072, "ce") is None
+    assert planned(32768, "fused").recompute_flags() == []
+
+
+def test_llama_table_has_tokens_per_second_and_the_origins_peaks():
+    from bench_node import markdown
+
+    results = {"size": "llama3-3b", "layers": 28, "experts": None, "seq": 8192, "gpus": 1, "global_batch_size": 8,
+               "model_tflop_per_step": 1540.3, "megatron_tflop_per_step": 1540.3,
+               "origin_gb": {"fused": 58.3, "online": 102.8}, "runs": {
+                   "fused": {"loss": "fused", "rc": 0, "step_s": 4.0, "tokens_per_s_per_gpu": 16384.0,
+                             "tflops_per_gpu": 385.1, "megatron_tflops_per_gpu": 385.1, "peak_gib": 70.0,
+                             "plan_gib": 77.7},
+                   "online": {"loss": "online", "rc": 0, "step_s": 6.0, "tokens_per_s_per_gpu": 10922.7,
+                              "tflops_per_gpu": 256.7, "peak_gib": 110.0, "plan_gib": None},
+                   "ce recompute=plan": {"loss": "ce", "rc": None, "step_s": None, "plan_gib": None, "no_fit": True}}}
+    table = markdown(results)
+    assert table.startswith("# llama3-3b student, 28 layers, 8,192 tokens, 1 GPUs, global batch 8")
+    rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| ")}
+    assert rows["fused"].endswith("| 4.00 | 16,384 | 385 | 385 | 70.0 | 77.7 | +11.0% | 58.3 |")
+    assert rows["online"].endswith("| 6.00 | 10,923 | 257 |  | 110.0 |  |  | 102.8 |")
+    assert "no layout that fits" in rows["ce recompute=plan"]
