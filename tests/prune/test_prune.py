@@ -411,6 +411,9 @@ def _calibration_worker(rank, world, tmp, seed):
         scores = calibrate(MegatronTeacher(model.eval()), data, num_samples=5, micro_batch_size=2, group_size=2,
                            progress=False)
         assert scores.tokens == 5 * GPT_OSS_SEQ and scores.experts.shape == (2, 4)
+        assert scores.expert_ffn.shape == (2, 4, 96) and scores.hidden.shape == (64,)  # 2 layers · 2 norms + final
+        # an expert's channels saw activation exactly where tokens were routed to it
+        assert torch.equal(scores.expert_ffn.sum(-1) > 0, scores.experts > 0) and (scores.hidden > 0).all()
         # routing mass: each token puts weight 1 on its two experts, in each layer
         torch.testing.assert_close(scores.experts.sum(1), torch.full((2,), 5.0 * GPT_OSS_SEQ, dtype=torch.float64))
         kept = choose_kept(scores, PruneTargets(num_experts=2), num_layers=2, num_experts=4, ffn_hidden_size=None,
@@ -441,12 +444,15 @@ def test_prune_command_mistakes_are_one_line(tmp_path, capsys):
     assert main(["prune", "--help"]) == 0
     out = capsys.readouterr().out
     assert all(flag in out for flag in ("--prune-num-experts", "--prune-num-layers", "--prune-ffn-hidden-size",
-                                        "--prune-num-attention-heads", "--prune-calib-samples", "--out"))
+                                        "--prune-num-attention-heads", "--prune-moe-ffn-hidden-size",
+                                        "--prune-hidden-size", "--prune-calib-samples", "--out"))
     for argv, message in [
         (["--prune-num-experts", "2"], "prune needs --out DIR"),
         (["--out", "x"], "prune needs a target"),
         (["--out", "x", "--prune-num-layers", "0"], "--prune-num-layers must be >= 1, got 0"),
         (["--out", "x", "--prune-num-attention-heads", "0"], "--prune-num-attention-heads must be >= 1, got 0"),
+        (["--out", "x", "--prune-hidden-size", "0"], "--prune-hidden-size must be >= 1, got 0"),
+        (["--out", "x", "--prune-moe-ffn-hidden-size", "-4"], "--prune-moe-ffn-hidden-size must be >= 1, got -4"),
         (["--out", "x", "--prune-num-experts", "two"], "--prune-num-experts: invalid int value"),
         (["--out", "x", "--prune-num-experts", "2", "--num-layers", "2"], "missing required flags: --hidden-size"),
         (["--out", "x", "--prune-num-experts", "2", *no_teacher], "prune cuts a Hugging Face teacher: --kd-teacher-hf"),
@@ -481,13 +487,13 @@ def test_student_copy_of_the_tokenizer_reads_the_teachers_cache(tmp_path):
 
 
 # ------------------------------------------------------------------- 5. a megatron-core state dict
-def _megatron_gpt(layers: int, ffn: int, gated: bool, seed: int, heads: int = 4):
+def _megatron_gpt(layers: int, ffn: int, gated: bool, seed: int, heads: int = 4, hidden: int = 32):
     from megatron.core.transformer import TransformerConfig
 
     from megatron_kd.models.gpt import build_gpt_model
 
     torch.manual_seed(seed)
-    cfg = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=heads, num_query_groups=2,
+    cfg = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=2,
                             kv_channels=8, ffn_hidden_size=ffn,
                             gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu,
                             use_cpu_initialization=True, params_dtype=torch.float32, attention_dropout=0.0,
@@ -522,11 +528,127 @@ def _megatron_state_worker(rank, world, seed, gated):
         with pytest.raises(PruneError, match="--prune-moe-ffn-hidden-size"):
             pruned_megatron_state({"decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight": torch.zeros(2, 2)},
                                   KeptParts(layers=[0], ffn=[[0]]), gated=gated)
+        # 32 -> 24 hidden channels: the student of that width (heads of the teacher's 8) loads strictly and runs
+        hidden = torch.randperm(32, generator=torch.Generator().manual_seed(seed))[:24].tolist()
+        narrow = _megatron_gpt(4, 48, gated, seed + 2, hidden=24)
+        teacher = _megatron_gpt(4, 48, gated, seed)
+        state = pruned_megatron_state(teacher.state_dict(), KeptParts(layers=[0, 1, 2, 3], hidden=sorted(hidden)),
+                                      gated=gated)
+        narrow.load_state_dict(state, strict=True)
+        h, ours = torch.tensor(sorted(hidden)), teacher.state_dict()
+        for name, dim in [("embedding.word_embeddings.weight", 1), ("embedding.position_embeddings.weight", 1),
+                          ("decoder.layers.1.self_attention.linear_qkv.weight", 1),
+                          ("decoder.layers.1.self_attention.linear_proj.weight", 0),
+                          ("decoder.layers.1.mlp.linear_fc1.weight", 1), ("decoder.layers.1.mlp.linear_fc2.weight", 0),
+                          ("decoder.layers.2.input_layernorm.weight", 0),
+                          ("decoder.layers.2.pre_mlp_layernorm.bias", 0),
+                          ("decoder.final_layernorm.weight", 0), ("output_layer.weight", 1)]:
+            assert torch.equal(state[name], ours[name].index_select(dim, h)), name
+        with torch.no_grad():
+            assert torch.isfinite(narrow(tokens, positions, None)).all()
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["gelu", "swiglu"])
 def test_pruned_megatron_state_is_the_teacher_without_the_cut_parts(seed, gated):
     spawn(_megatron_state_worker, seed, gated, world_size=1)
+
+
+def _megatron_moe(seed: int, *, hidden: int = 32, moe_ffn: int = 48, dtype=torch.float32):
+    """A two-layer GPT-OSS-style megatron-core MoE (4 experts, top-2, clamped quick-GeGLU, biases,
+    RMSNorm) on the local spec: GroupedGemmExperts, whose grouped path runs in bf16 on the CPU and
+    whose sequential fallback runs in fp32."""
+    from megatron.core.activations import quick_gelu
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_kd.models.gpt import build_gpt_model
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(num_layers=2, hidden_size=hidden, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                            ffn_hidden_size=moe_ffn, moe_ffn_hidden_size=moe_ffn, num_moe_experts=4, moe_router_topk=2,
+                            moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                            gated_linear_unit=True, activation_func=quick_gelu, glu_linear_offset=1.0,
+                            activation_func_clamp_value=7.0, bias_activation_fusion=False, add_bias_linear=True,
+                            normalization="RMSNorm", use_cpu_initialization=True, params_dtype=dtype,
+                            bf16=dtype == torch.bfloat16, attention_dropout=0.0, hidden_dropout=0.0,
+                            init_method_std=0.3)
+    return build_gpt_model(cfg, vocab_size=64, max_sequence_length=16, position_embedding_type="rope",
+                           use_te=False).eval()
+
+
+def _megatron_moe_worker(rank, world, seed):
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    with megatron_cpu_patches():
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel()
+        teacher = _megatron_moe(seed)
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+        positions = torch.arange(16).expand(2, 16)
+
+        # the experts' fc2 input through both paths: grouped (bf16, the tap) and sequential (fp32, each linear_fc2)
+        grouped = _megatron_moe(seed, dtype=torch.bfloat16)
+        grouped.load_state_dict({k: v.bfloat16() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                                 for k, v in teacher.state_dict().items()})
+        scores = {}
+        for name, model in (("sequential", teacher), ("grouped", grouped)):
+            with ImportanceCollector(model) as collector, torch.no_grad():
+                model(tokens, positions, None)
+            scores[name] = collector.scores()
+        assert scores["sequential"].expert_ffn.shape == (2, 4, 48) and scores["sequential"].hidden.shape == (32,)
+        for part in ("expert_ffn", "hidden"):
+            ours, theirs = getattr(scores["grouped"], part), getattr(scores["sequential"], part)
+            assert rel_err(ours, theirs) < 2e-2, (part, rel_err(ours, theirs))
+
+        # experts 48 -> 24 wide: the teacher with the cut channels' fc2 columns zeroed
+        kept = KeptParts(layers=[0, 1], expert_ffn=_kept_channels(seed, 2, 4, 48, 24))
+        student = _megatron_moe(seed + 1, moe_ffn=24)
+        student.load_state_dict(pruned_megatron_state(teacher.state_dict(), kept, gated=True), strict=True)
+        with torch.no_grad():
+            ours = student(tokens, positions, None)
+            for layer, channels in zip(teacher.decoder.layers, kept.expert_ffn):
+                for expert, ch in zip(layer.mlp.experts.local_experts, channels):
+                    expert.linear_fc2.weight[:, [c for c in range(48) if c not in ch]] = 0.0
+            theirs = teacher(tokens, positions, None)
+        assert rel_err(ours, theirs) < TOL, rel_err(ours, theirs)
+        teacher = _megatron_moe(seed)  # the one before the zeroing
+
+        # with experts cut too: each kept expert's channels, renumbered with it; nothing cut: the teacher's
+        mine = teacher.state_dict()
+        channels = [list(range(0, 48, 2)), list(range(24)), list(range(24, 48))]
+        state = pruned_megatron_state(mine, KeptParts(layers=[0, 1], experts=[[0, 1, 3]] * 2,
+                                                      expert_ffn=[channels] * 2), gated=True)
+        fc1 = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc1.{}"
+        rows = torch.tensor(channels[2] + [48 + c for c in channels[2]])  # gate and linear halves
+        assert torch.equal(state[fc1.format(2, "weight")], mine[fc1.format(3, "weight")][rows])
+        assert torch.equal(state[fc1.format(2, "bias")], mine[fc1.format(3, "bias")][rows])
+        assert fc1.format(3, "weight") not in state
+        everything = pruned_megatron_state(mine, KeptParts(layers=[0, 1], expert_ffn=[[list(range(48))] * 4] * 2,
+                                                           hidden=list(range(32))), gated=True)
+        assert everything.keys() == mine.keys()
+        assert all(torch.equal(everything[k], v) for k, v in mine.items() if isinstance(v, torch.Tensor))
+
+        # 32 -> 24 hidden channels: the student of that width loads strictly and runs
+        hidden = sorted(torch.randperm(32, generator=torch.Generator().manual_seed(seed))[:24].tolist())
+        state = pruned_megatron_state(mine, KeptParts(layers=[0, 1], hidden=hidden), gated=True)
+        narrow = _megatron_moe(seed + 2, hidden=24)
+        narrow.load_state_dict(state, strict=True)
+        h = torch.tensor(hidden)
+        for name, dim in [("decoder.layers.0.mlp.router.weight", 1),
+                          ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", 1),
+                          ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight", 0),
+                          ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.bias", 0),
+                          ("decoder.layers.0.self_attention.linear_proj.bias", 0),
+                          ("decoder.layers.1.pre_mlp_layernorm.weight", 0)]:
+            assert torch.equal(state[name], mine[name].index_select(dim, h)), name
+        with torch.no_grad():
+            assert torch.isfinite(narrow(tokens, positions, None)).all()
+
+
+def test_expert_channels_and_hidden_of_a_megatron_moe(seed):
+    """The experts' activation scores through the grouped path's tap equal those of the sequential
+    path; the expert-width cut of a megatron-core MoE computes the teacher with the cut channels
+    switched off; the hidden cut loads strictly into the narrower model."""
+    spawn(_megatron_moe_worker, seed, world_size=1)
 
 
 def test_student_flags_keep_the_head_width():
@@ -559,27 +681,52 @@ def _fewer_heads_worker(rank, world, tmp, seed):
         _, student = build_student(tiny_flags(student_dir, "--num-attention-heads", "2", "--kv-channels", "16"))
         tokens = torch.randint(0, TOKENIZER_TOKENS, (2, GPT_OSS_SEQ), generator=torch.Generator().manual_seed(seed))
         assert rel_err(megatron_logits(student.eval(), tokens), reference_logits(student_dir, tokens)) < 1e-4
+    forget_megatron()
+    with megatron_cpu_patches():
+        # hidden 64 -> 48 and experts 96 -> 64 wide: the student run adds what prune prints for these cuts
+        hidden = sorted(torch.randperm(64, generator=torch.Generator().manual_seed(seed))[:48].tolist())
+        kept = KeptParts(layers=[0, 1], expert_ffn=_kept_channels(seed, 2, 4, 96, 64), hidden=hidden)
+        student_dir = write_pruned_hf(teacher_dir, Path(tmp) / "narrow", kept)
+        _, student = build_student(tiny_flags(student_dir, "--moe-ffn-hidden-size", "64", "--hidden-size", "48",
+                                              "--kv-channels", "16"))
+        assert rel_err(megatron_logits(student.eval(), tokens), reference_logits(student_dir, tokens)) < 1e-4
 
 
-def test_a_student_with_fewer_heads_imports_into_megatron(tmp_path, seed):
+def test_students_with_fewer_heads_or_channels_import_into_megatron(tmp_path, seed):
     spawn(_fewer_heads_worker, str(tmp_path), seed, world_size=1)
 
 
 def test_bad_cuts_of_the_120b_teacher_are_one_line_before_any_work():
     """What ``prune`` checks before it builds the teacher (GPT-OSS-120B's sizes: 36 layers in window /
-    full pairs, 128 experts, top-4, 64 query heads over 8 groups, no dense MLP)."""
+    full pairs, 128 experts 2,880 wide, top-4, 64 query heads over 8 groups, no dense MLP, hidden 2,880;
+    run at tensor-parallel size 2)."""
     from megatron_kd.prune import check_targets
 
     teacher = dict(num_layers=36, group_size=2, num_experts=128, experts_per_token=4, ffn_hidden_size=None,
-                   num_attention_heads=64, num_query_groups=8)
-    check_targets(PruneTargets(num_layers=24, num_experts=64, num_attention_heads=32), **teacher)  # fine
+                   num_attention_heads=64, num_query_groups=8, moe_ffn_hidden_size=2880, hidden_size=2880,
+                   tensor_parallel_size=2)
+    check_targets(PruneTargets(num_layers=24, num_experts=64, num_attention_heads=32, moe_ffn_hidden_size=1440,
+                               hidden_size=2002), **teacher)  # fine: the heads keep 64 channels each
+    # a student whose head dim is hidden / heads: 2,016 is 32 heads of 63
+    check_targets(PruneTargets(num_attention_heads=32, hidden_size=2016), **teacher, head_dim_derived=True)
+    with pytest.raises(PruneError, match=re.escape("--prune-hidden-size 2016: the student's head dim is hidden "
+                                                   "size / heads, so a multiple of its 64 attention heads")):
+        check_targets(PruneTargets(hidden_size=2016), **teacher, head_dim_derived=True)
+    with pytest.raises(PruneError, match=re.escape("--prune-moe-ffn-hidden-size: the teacher has no experts")):
+        check_targets(PruneTargets(moe_ffn_hidden_size=1024), num_layers=16, ffn_hidden_size=8192)  # Llama-3.2-1B
     for targets, message in [
         (PruneTargets(num_experts=129), "--prune-num-experts 129: between the router's top-k 4 and the teacher's 128"),
         (PruneTargets(num_experts=2), "--prune-num-experts 2: between the router's top-k 4"),
         (PruneTargets(num_layers=38), "--prune-num-layers 38: the teacher has 36 layers, dropped in groups of 2"),
         (PruneTargets(num_layers=23), "--prune-num-layers 23: the teacher has 36 layers, dropped in groups of 2"),
         (PruneTargets(num_attention_heads=60), "--prune-num-attention-heads 60: a multiple of the teacher's 8 query"),
-        (PruneTargets(ffn_hidden_size=1024), "--prune-ffn-hidden-size: the teacher has no dense MLP layers"),
+        (PruneTargets(ffn_hidden_size=1024), "--prune-ffn-hidden-size: the teacher has no dense MLP layers (an FFN "
+                                             "width of an MoE teacher's experts is --prune-moe-ffn-hidden-size)"),
+        (PruneTargets(moe_ffn_hidden_size=3000), "--prune-moe-ffn-hidden-size 3000: between 1 and the teacher's 2880"),
+        (PruneTargets(hidden_size=3000), "--prune-hidden-size 3000: a multiple of the tensor-parallel size 2 up to "
+                                         "the teacher's 2880"),
+        (PruneTargets(hidden_size=1441), "--prune-hidden-size 1441: a multiple of the tensor-parallel size 2"),
+        (PruneTargets(hidden_size=0), "--prune-hidden-size 0: a multiple of the tensor-parallel size 2"),
     ]:
         with pytest.raises(PruneError, match=re.escape(message)) as e:
             check_targets(targets, **teacher)
