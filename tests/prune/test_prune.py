@@ -1,21 +1,28 @@
 """Pruned students: importance scores by hand, cuts that keep the kept parts exact, and the whole
 calibration -> cuts -> student path on a Megatron GPT-OSS teacher.
 
-1. block influence, routing mass and channel norms of a hand-built two-layer stack are the numbers
-   worked out below; the kept indices follow the scores, ties to the lower index
+1. block influence, routing mass, channel, head, experts' channel and hidden-channel norms of
+   hand-built two-layer stacks are the numbers worked out below (the experts' through the grouped
+   path's tap and through each expert's linear_fc2); the kept indices follow the scores, ties to
+   the lower index
 2. cuts that keep everything give back the teacher's tensors and config, bit for bit
 3. each cut computes what the teacher computes with the cut part switched off (transformers, fp32):
    experts pruned = the teacher with those experts' router logits at -1e4 (never in a top-k);
    layers pruned = the teacher with those layers taken out; FFN channels pruned = the teacher with
    those channels' down_proj columns zeroed; attention heads pruned (Llama, GPT-OSS with sinks) =
-   the teacher with those heads' o_proj columns zeroed
+   the teacher with those heads' o_proj columns zeroed; experts' channels pruned = the teacher with
+   those channels' down_proj rows zeroed (MXFP4 experts: written dense, the same numbers); hidden
+   channels pruned: the teacher's kept rows / columns, a student that loads strictly and runs
 4. a Megatron GPT-OSS teacher's calibration pass, the cuts it chooses and the student Megatron
    builds from the pruned directory with the student's flags, against transformers on that directory
-   (an experts cut; a heads cut with --num-attention-heads / --kv-channels as prune prints them)
+   (an experts cut; a heads cut with --num-attention-heads / --kv-channels, a hidden and experts'
+   width cut with --hidden-size / --moe-ffn-hidden-size / --kv-channels, as prune prints them)
 5. the same cuts on a megatron-core model's state dict (plain and gated MLP, grouped-query
    attention): the student built with the student's sizes loads it strictly and computes the
    teacher with those layers taken out, those channels' linear_fc2 columns and those heads'
-   linear_proj columns zeroed
+   linear_proj columns zeroed; on a GPT-OSS-style megatron-core MoE the experts' channel scores of
+   the grouped (bf16) and sequential (fp32) paths agree, the experts' width cut computes the
+   teacher with those channels' fc2 columns zeroed and the hidden cut loads strictly and runs
 """
 
 import math
