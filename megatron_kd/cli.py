@@ -49,7 +49,10 @@ def _cmd_cache_verify(args) -> int:
     from megatron_kd.cache.inspect import verify
 
     summary = verify(args.path, progress=True)
-    print(f"{summary['path']}: OK ({summary['samples']} samples, {summary['tokens']} tokens)")
+    # chat data: entries only where the loss mask keeps the loss
+    masked = summary["tokens_with_entries"] < summary["tokens"]
+    print(f"{summary['path']}: OK ({summary['samples']} samples, {summary['tokens']} tokens"
+          + (f", {summary['tokens_with_entries']} with teacher entries)" if masked else ")"))
     return 0
 
 

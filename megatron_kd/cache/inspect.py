@@ -54,24 +54,28 @@ def verify(path, *, progress: bool = True) -> dict:
                              f"NNNNNN.json for its {reader._partition(rank).bindings.num_shards} shards)")
     files = reader.check_files()  # every shard has its record, bound to its place; every file its recorded size
     # then every block decodes, each shard file hashed against its record on first touch
-    tokens = 0
+    tokens = with_entries = 0
     for ids, lps in _scan(reader, "verify", progress):
         tokens += ids.shape[0] * ids.shape[1]
         valid = ids >= 0
         if (valid != torch.isfinite(lps)).any():
             raise CacheError(f"{path}: decoded padding of ids and log-probs disagree")
-    return {"path": str(path), "samples": meta.num_samples, "tokens": tokens, "files": files, "ok": True}
+        with_entries += int(valid[..., 0].sum())
+    return {"path": str(path), "samples": meta.num_samples, "tokens": tokens, "tokens_with_entries": with_entries,
+            "files": files, "ok": True}
 
 
 def inspect(path, *, progress: bool = True) -> dict:
-    """Summary of a cache: its codec, mode (draws of a sampled cache), packing, sizes, bytes/token
-    (every file of the store over its tokens), mean teacher top-K mass, K, vocab, fingerprints."""
+    """Summary of a cache: its codec, mode (draws of a sampled cache), packing, loss mask, sizes,
+    bytes/token (every file of the store over its tokens; with a loss mask also over the tokens with
+    entries), mean teacher top-K mass, K, vocab, fingerprints."""
     path = Path(path)
     meta = read_root_meta(path)
     summary = {
         "path": str(path), "store_id": meta.store_id, "complete": meta.complete,
         "schema_version": meta.schema_version, "codec": meta.codec,
         "mode": meta.mode, "sampled_draws": meta.sampled_draws, "packing": meta.packing,
+        "loss_mask": meta.loss_mask.get("mask", "none"), "loss_mask_fingerprint": meta.loss_mask.get("fingerprint", ""),
         "samples": meta.num_samples, "seq_length": meta.seq_length,
         "tokens": meta.num_samples * meta.seq_length, "topk": meta.topk, "vocab_size": meta.vocab_size,
         "temperature": meta.temperature, "dp_size": meta.dp_size, "micro_batch_size": meta.micro_batch_size,
@@ -88,4 +92,6 @@ def inspect(path, *, progress: bool = True) -> dict:
             mass_sum += float(mass[has_entries].double().sum())
             counted += int(has_entries.sum())
         summary["mean_teacher_mass"] = mass_sum / max(counted, 1)
+        summary["tokens_with_entries"] = counted
+        summary["bytes_per_token_with_entries"] = summary["bytes"] / max(counted, 1)
     return summary

@@ -33,7 +33,9 @@ MODES = ("topk", "sampled")
 PACKING_MODES = ("none", "documents", "positions", "documents+positions")
 FINGERPRINTS = ("teacher_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint")
 # Keys a writer's ``metadata`` may set; anything else belongs under "extra".
-METADATA_KEYS = ("temperature", "mode", "sampled_draws", "packing", *FINGERPRINTS, "extra")
+METADATA_KEYS = ("temperature", "mode", "sampled_draws", "packing", "loss_mask", *FINGERPRINTS, "extra")
+# The fields of a non-empty ``loss_mask`` (megatron_kd.data.loss_mask.loss_mask_field)
+LOSS_MASK_KEYS = ("mask", "fingerprint")
 # Draw counts of sampled-counts-v1 are uint16.
 MAX_SAMPLED_DRAWS = (1 << 16) - 1
 # Integer fields and their smallest valid value.
@@ -66,6 +68,11 @@ class CacheMeta:
     packing: str = "none"
     """How the teacher saw the documents packed into a sample (one of ``PACKING_MODES``; the flags
     that ask for each are ``megatron_kd.megatron.packing``'s); a student must pack alike."""
+    loss_mask: dict = field(default_factory=dict)
+    """The per-token loss mask of the data (chat data, ``megatron-kd data chat``): {} when every token
+    is trained, else {"mask": its settings, "fingerprint": its digest}. The teacher pass then stores
+    entries only at the positions the mask keeps (the others are all padding, which the entropy-coded
+    codecs store as one count per token), and a student must train under the same mask."""
     teacher_fingerprint: str = ""
     tokenizer_fingerprint: str = ""
     dataset_fingerprint: str = ""
@@ -104,6 +111,8 @@ class CacheMeta:
             ident["temperature"] = float(ident["temperature"])
         if ident["packing"] == "none":  # stores built before packing was recorded keep their store_id
             del ident["packing"]
+        if not ident["loss_mask"]:  # likewise stores without a loss mask
+            del ident["loss_mask"]
         return ident
 
     @property
@@ -119,6 +128,8 @@ class CacheMeta:
         attrs = asdict(self)
         if attrs["packing"] == "none":  # absent means unpacked: stores of before are written as they were
             del attrs["packing"]
+        if not attrs["loss_mask"]:  # absent means every token: likewise
+            del attrs["loss_mask"]
         attrs["partitions"] = self.partitions()
         attrs["store_id"] = self.store_id
         return attrs
@@ -171,6 +182,10 @@ class CacheMeta:
                 bad(name, "a string")
         if not isinstance(self.extra, dict):
             bad("extra", "an object")
+        if not isinstance(self.loss_mask, dict) or (self.loss_mask and (
+                sorted(self.loss_mask) != sorted(LOSS_MASK_KEYS)
+                or not all(isinstance(v, str) for v in self.loss_mask.values()))):
+            bad("loss_mask", f"{{}} or an object of strings {', '.join(LOSS_MASK_KEYS)}")
         if not isinstance(self.complete, bool):
             bad("complete", "true or false")
         if codec_of(self.encoding) is None:

@@ -84,14 +84,18 @@ def _sidecar_of(gpt_dataset) -> dict | None:
 
 
 def loss_mask_field(dataset) -> dict:
-    """{} when no prefix of ``dataset`` has a loss mask; else {"mask": the settings of each prefix's mask
-    ("none" for one without), "fingerprint": a digest of their fingerprints}: the teacher cache's
-    ``loss_mask`` field, which training compares with its own."""
+    """The loss mask ``dataset``'s samples carry (a ``LossMaskedDataset``, or a wrapper of one): {} when
+    none, else {"mask": the settings of each prefix's mask ("none" for a prefix without), "fingerprint":
+    a digest of their fingerprints}: the teacher cache's ``loss_mask`` field, which training compares
+    with its own."""
+    while not isinstance(dataset, LossMaskedDataset) and hasattr(dataset, "base"):
+        dataset = dataset.base
+    return dict(dataset.loss_mask) if isinstance(dataset, LossMaskedDataset) else {}
+
+
+def _mask_field(sidecars: list) -> dict:
     from megatron_kd.data.conversation import digest
 
-    sidecars = [_sidecar_of(d) for d in _gpt_datasets(dataset)]
-    if not any(sidecars):
-        return {}
     return {"mask": "; ".join(s["mask"] if s else "none" for s in sidecars),
             "fingerprint": digest([s["fingerprint"] if s else None for s in sidecars])}
 
@@ -129,8 +133,9 @@ class LossMaskedDataset(torch.utils.data.Dataset):
 
     def __init__(self, base):
         self.base = base
-        self._masks = [_SampleMask(d) if _sidecar_of(d) else None for d in _gpt_datasets(base)]
-        self.loss_mask = loss_mask_field(base)
+        sidecars = [_sidecar_of(d) for d in _gpt_datasets(base)]
+        self._masks = [_SampleMask(d) if sidecar else None for d, sidecar in zip(_gpt_datasets(base), sidecars)]
+        self.loss_mask = _mask_field(sidecars)
 
     @property
     def config(self):

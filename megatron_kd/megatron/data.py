@@ -3,7 +3,8 @@
 - ``ByteTokenizer``: a byte-level MegatronTokenizer (256 bytes + end-of-document + pad).
 - ``write_indexed_dataset``: documents of token ids -> Megatron's .bin/.idx pair.
 - ``build_gpt_datasets``: megatron-core's GPTDataset splits through BlendedMegatronDatasetBuilder,
-  exactly as Megatron-LM's pretrain_gpt builds them (so sample indices agree with training).
+  exactly as Megatron-LM's pretrain_gpt builds them (so sample indices agree with training), with
+  the loss mask of chat data joined (``megatron_kd.data.loss_mask.with_loss_masks``).
 - ``repair_index_cache``: megatron-core caches each dataset's document / sample / shuffle index as
   ``<hash>-<class>-<split>-<name>.npy`` (beside ``-description.txt``) and memory-maps them when all
   are present. A process killed inside ``np.save`` leaves a truncated file that would then fail to
@@ -113,9 +114,11 @@ def build_gpt_datasets(data_prefixes: list[str], *, split: str, seq_length: int,
         eod_mask_loss=False, create_attention_mask=False, path_to_cache=cache_dir,
         mid_level_dataset_surplus=0.005,
     )
+    from megatron_kd.data.loss_mask import with_loss_masks
+
     repair_index_cache(config)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank or (lambda: True), config)
-    return tuple(builder.build())
+    return tuple(with_loss_masks(split) for split in builder.build())
 
 
 def index_cache_dirs(config) -> list[Path]:

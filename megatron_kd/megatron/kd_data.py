@@ -2,8 +2,11 @@
 
 ``KDDataset`` wraps a GPTDataset: item i is the dataset's sample i plus its global index and its
 cached teacher ids / log-probs. Start-up checks the cache against the run (vocabulary, K,
-sequence length, tokenizer and dataset fingerprints) and that every shard file the run's samples
-need is there, and stops with one clear message on any difference. Readers are opened lazily in
+sequence length, tokenizer and dataset fingerprints, the loss mask of chat data) and that every
+shard file the run's samples need is there, and stops with one clear message on any difference.
+With a loss mask (``megatron_kd.data.loss_mask``) the cache holds entries only where the mask keeps
+the loss; every position the sample's loss mask keeps must have them (a KDDataError otherwise),
+the others are padding and never reach the loss (their loss mask is 0). Readers are opened lazily in
 each process (DataLoader workers prefetch in parallel). A cache error met while reading a sample
 is raised as ``KDDataError`` (a CacheError), which keeps its one line when Megatron's DataLoader
 re-raises it from a worker process (``megatron_kd.errors.OneLineAcrossProcesses``).
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.cache import CacheError, CacheReader
+from megatron_kd.data.loss_mask import loss_mask_field
 from megatron_kd.errors import OneLineAcrossProcesses
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 
@@ -49,6 +53,14 @@ class KDDataset(torch.utils.data.Dataset):
             reader = CacheReader(self.cache_path, expect=self.expect)
         except CacheError as e:
             raise CacheError(f"--kd-cache does not match this run: {e}") from None
+        self.loss_mask = loss_mask_field(base)
+        if reader.meta.loss_mask != self.loss_mask:
+            def name(field):
+                return f"{field['mask']!r} (fingerprint {field['fingerprint']})" if field else "none (every token)"
+
+            raise CacheError(f"--kd-cache {self.cache_path}: its teacher rows were taken under the loss mask "
+                             f"{name(reader.meta.loss_mask)}, this run's data has {name(self.loss_mask)}; build the "
+                             f"cache from this data (megatron-kd cache build) or train on the data it was built from")
         # the samples training will consume (train_iters x global batch), not the whole epoch
         required = len(base) if required_samples is None else required_samples
         if reader.meta.num_samples < required:
@@ -76,6 +88,12 @@ class KDDataset(torch.utils.data.Dataset):
             ids, logprobs = self.reader.read(int(idx))
         except CacheError as e:
             raise KDDataError(f"--kd-cache is damaged: {e}") from None
+        if self.loss_mask:
+            uncovered = torch.nonzero((item["loss_mask"] > 0) & (ids[0, :, 0] < 0))
+            if len(uncovered):
+                raise KDDataError(f"--kd-cache {self.cache_path}: sample {int(idx)} has no teacher entries at "
+                                  f"position {int(uncovered[0])}, where this run's loss mask keeps the loss (the cache "
+                                  f"was built under another mask or other Megatron-LM data flags)")
         item["sample_idx"] = torch.tensor(int(idx))
         item["teacher_ids"], item["teacher_logprobs"] = ids[0], logprobs[0]
         return item

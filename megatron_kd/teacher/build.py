@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_kd.cache import CacheError, CacheWriter
 from megatron_kd.cache.inspect import store_bytes
+from megatron_kd.data.loss_mask import loss_mask_field
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 from megatron_kd.megatron.packing import DocumentPacking
 from megatron_kd.teacher.capture import CaptureConfig, capture_teacher
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     teacher = _hf_teacher(args.kd_teacher_hf, tokenizer, device, packing) \
         if args.kd_teacher_hf and not is_gpt_oss(args) else _megatron_teacher(args, tokenizer, packing)
 
+    # chat data with a loss mask: rows only where the student's loss is taken
+    loss_mask = loss_mask_field(train)
     mode = args.kd_cache_mode
     k = (args.kd_samples or args.kd_topk) if mode == "sampled" else args.kd_topk
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -125,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             micro_batch_size=args.micro_batch_size, codec=None if args.kd_cache_codec == "auto" else args.kd_cache_codec,
             metadata={"temperature": args.kd_capture_temperature, "mode": mode,
                       "sampled_draws": k if mode == "sampled" else 0, "packing": packing.mode,
+                      "loss_mask": loss_mask,
                       "teacher_fingerprint": teacher.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                       "dataset_fingerprint": dataset_fingerprint(train)},
         )
@@ -133,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = capture_teacher(teacher, train, writer,
                               CaptureConfig(topk=k, mode=mode, temperature=args.kd_capture_temperature,
                                             micro_batch_size=args.micro_batch_size, seed=args.seed,
-                                            chunk_size=args.kd_chunk_size, store_workers=args.kd_cache_workers),
-                              device=device)
+                                            chunk_size=args.kd_chunk_size, masked=bool(loss_mask),
+                                            store_workers=args.kd_cache_workers), device=device)
     if writer is not None:
         writer.close()
     totals = torch.tensor([summary["samples"], summary["tokens"], summary["mean_teacher_mass"] * summary["tokens"]],
@@ -148,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     total = consumed_train_samples(args)
     already = f" ({total - int(samples)} were already in the cache)" if int(samples) < total else ""
     this_pass = (f"mean teacher mass {mass / tokens:.4f} over them" if tokens else "nothing left to compute")
+    if loss_mask:
+        this_pass += f"; entries only where the loss mask {loss_mask['mask']!r} keeps the loss"
     print_rank_0(f"teacher cache {args.kd_cache}: {total} samples, "
                  f"{store_bytes(args.kd_cache) / (total * args.seq_length):.1f} bytes/token, mode {mode}, K={k}; "
                  f"this pass computed {int(samples)} samples, {int(tokens):,} tokens{already}, {this_pass}")

@@ -7,6 +7,11 @@ stopped: the writer skips what is on disk, and sampled mode keys each token's dr
 global sample index, position) alone (``ops.topk.sample_row_keys``), so re-running, from any
 point and with any micro-batch or chunk size, yields the same bytes. Each micro-batch is stored
 behind the next one's forward (``WriteBehind``): the pass's time is the teacher's, not the disk's.
+
+With ``CaptureConfig.masked`` (chat data with a loss mask: ``megatron_kd.data.loss_mask``) the
+teacher still reads every token, but the top-K (or the draws) is taken only at the positions the
+sample's ``loss_mask`` keeps; every other position is stored as padding (no entries), which the
+entropy-coded codecs store as a count per token, so the cache grows with the answer tokens.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class CaptureConfig:
     store_workers: int | None = None
     """Threads that compress and write the cache's shards behind the forward (None: from the CPU
     cores of this rank, ``write_behind.default_workers``)."""
+    masked: bool = False
+    """Entries only where the sample's ``loss_mask`` is nonzero (padding elsewhere)."""
 
 
 def _broadcast_pending(writer, tp_group, device) -> np.ndarray:
@@ -58,6 +65,25 @@ def _broadcast_pending(writer, tp_group, device) -> np.ndarray:
         pending = torch.empty(int(n), dtype=torch.int64, device=device)
     dist.broadcast(pending, src, group=tp_group)
     return pending.cpu().numpy()
+
+
+def _entries(hidden, weight, keep, samples, cfg: CaptureConfig, tp_group, vocab_size, device):
+    """(ids, logprobs) [s, b, K] of the micro-batch's hidden states [s, b, h]: the top-K or the draws at
+    every position, or (``keep`` bool [s, b]) only at the kept ones, padding (-1, -inf) elsewhere."""
+    s, b = hidden.shape[:2]
+    rows = hidden if keep is None else hidden[keep]  # [n, h]: the LM head runs on the kept tokens only
+    kw = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=cfg.temperature, chunk_size=cfg.chunk_size)
+    if cfg.mode == "topk":
+        ids, lps = vocab_parallel_topk(rows, weight, cfg.topk, **kw)
+    else:
+        keys = sample_row_keys(cfg.seed, torch.as_tensor(samples, dtype=torch.int64, device=device), s)
+        ids, lps = vocab_parallel_sample(rows, weight, cfg.topk, row_keys=keys if keep is None else keys[keep], **kw)
+    if keep is None:
+        return ids, lps
+    full_ids = torch.full((s, b, cfg.topk), -1, dtype=ids.dtype, device=ids.device)
+    full_lps = torch.full((s, b, cfg.topk), float("-inf"), dtype=lps.dtype, device=lps.device)
+    full_ids[keep], full_lps[keep] = ids, lps
+    return full_ids, full_lps
 
 
 @torch.no_grad()
@@ -86,19 +112,15 @@ def capture_teacher(teacher, dataset, writer, cfg: CaptureConfig, *, device=None
             tokens = torch.stack([torch.as_tensor(x["tokens"]) for x in items]).to(device)
             position_ids = torch.stack([torch.as_tensor(x["position_ids"]) for x in items]).to(device)
             hidden, weight = teacher(tokens, position_ids)  # [s, b, h]
-            kw = dict(tp_group=tp_group, vocab_size=teacher.vocab_size, temperature=cfg.temperature,
-                      chunk_size=cfg.chunk_size)
-            if cfg.mode == "topk":
-                ids, lps = vocab_parallel_topk(hidden, weight, cfg.topk, **kw)
-            else:
-                keys = sample_row_keys(cfg.seed, torch.as_tensor(samples, dtype=torch.int64, device=device),
-                                       hidden.shape[0])
-                ids, lps = vocab_parallel_sample(hidden, weight, cfg.topk, row_keys=keys, **kw)
+            keep = None
+            if cfg.masked:  # [s, b], the same on every TP rank (the same samples)
+                keep = torch.stack([torch.as_tensor(x["loss_mask"]) for x in items]).to(device).t() > 0
+            ids, lps = _entries(hidden, weight, keep, samples, cfg, tp_group, teacher.vocab_size, device)
             # [b, s, K], left on the device: the writer encodes (sorts, validates) them there
             ids, lps = ids.transpose(0, 1), lps.transpose(0, 1)
             if is_writer:
                 behind.submit(samples, ids, lps)
-            tokens_done += ids.shape[0] * ids.shape[1]
+            tokens_done += ids.shape[0] * ids.shape[1] if keep is None else int(keep.sum())
             mass_sum = mass_sum + lps.double().exp().sum()  # on the device: no sync per micro-batch
             elapsed = time.perf_counter() - start
             bar.update(len(samples))
