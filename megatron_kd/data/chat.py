@@ -99,10 +99,17 @@ class PieceEncoder:
         return ids, mask
 
 
+def chat_template(tokenizer) -> str | None:
+    """The template ``--chat-template`` gave the Megatron tokenizer, else its Hugging Face tokenizer's own."""
+    hf = _hf(tokenizer)
+    if hf is None:
+        return None
+    return getattr(tokenizer, "chat_template", None) or getattr(hf, "chat_template", None) or None
+
+
 def pick_renderer(tokenizer, choice: str) -> str:
     has_harmony = all(t in token_ids(tokenizer) for t in SPECIAL_TOKENS)
-    hf = _hf(tokenizer)
-    has_template = hf is not None and bool(getattr(hf, "chat_template", None))
+    has_template = chat_template(tokenizer) is not None
     if choice == "harmony" and not has_harmony:
         missing = [t for t in SPECIAL_TOKENS if t not in token_ids(tokenizer)]
         raise FlagError(f"--renderer harmony: the tokenizer has no {', '.join(missing)} (harmony's special tokens)")
@@ -126,9 +133,9 @@ class ConversationRenderer:
         self.renderer = pick_renderer(tokenizer, renderer)
         self.encode = PieceEncoder(tokenizer)
         self.eod = int(tokenizer.eod)
-        hf = _hf(tokenizer)
+        hf, template = _hf(tokenizer), chat_template(tokenizer)
         if self.renderer == "template":
-            self._render = lambda raws, prompt: hf.apply_chat_template(raws, tokenize=False,
+            self._render = lambda raws, prompt: hf.apply_chat_template(raws, chat_template=template, tokenize=False,
                                                                        add_generation_prompt=prompt)
 
     def __call__(self, line: object) -> tuple[list[int], list[int], bool]:
