@@ -55,7 +55,8 @@ def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
     return (torch.tensor(heads).view(-1, 1) * head_dim + torch.arange(head_dim)).flatten()
 
 
-def _select(t: torch.Tensor, dim: int, index) -> torch.Tensor:
+def keep_along(t: torch.Tensor, dim: int, index) -> torch.Tensor:
+    """The entries ``index`` of ``t`` along ``dim``, as a tensor of its own (what a cut writes)."""
     return t.index_select(dim, torch.as_tensor(index)).contiguous()
 
 
@@ -81,18 +82,18 @@ def _cut(name: str, t: torch.Tensor, cut: LayerCut, head_dim: int | None = None)
     """The part of one layer's tensor (``name`` after ``model.layers.{i}.``) the student keeps."""
     if cut.heads is not None:
         if name in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
-            t = _select(t, 0, head_rows(cut.heads, head_dim))
+            t = keep_along(t, 0, head_rows(cut.heads, head_dim))
         elif name == "self_attn.o_proj.weight":
-            t = _select(t, 1, head_rows(cut.heads, head_dim))
+            t = keep_along(t, 1, head_rows(cut.heads, head_dim))
         elif name == "self_attn.sinks":
-            t = _select(t, 0, cut.heads)
+            t = keep_along(t, 0, cut.heads)
     if cut.experts is not None and name.startswith(("mlp.experts.", "mlp.router.")):
-        t = _select(t, 0, cut.experts)
+        t = keep_along(t, 0, cut.experts)
     if cut.ffn is not None:
         if name.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
-            t = _select(t, 0, cut.ffn)
+            t = keep_along(t, 0, cut.ffn)
         elif name == "mlp.down_proj.weight":
-            t = _select(t, 1, cut.ffn)
+            t = keep_along(t, 1, cut.ffn)
         elif name.startswith("mlp.experts."):
             raise PruneError("an FFN width of the experts is --prune-moe-ffn-hidden-size (expert_ffn), not ffn")
     if cut.expert_ffn is not None:
@@ -104,7 +105,7 @@ def _cut(name: str, t: torch.Tensor, cut: LayerCut, head_dim: int | None = None)
             raise PruneError(f"{name}: MXFP4 experts are cut in width only dequantized (dense_experts)")
     if cut.hidden is not None:
         if name in _HIDDEN_DIM:
-            t = _select(t, _HIDDEN_DIM[name], cut.hidden)
+            t = keep_along(t, _HIDDEN_DIM[name], cut.hidden)
         elif name.endswith(("_blocks", "_scales")):
             raise PruneError(f"{name}: MXFP4 experts are cut in width only dequantized (dense_experts)")
     return t
@@ -117,7 +118,7 @@ def pruned_state(tensors: dict[str, torch.Tensor], kept: KeptParts, head_dim: in
     out = {}
     for i, rest, t, cut in kept.entries(tensors, _LAYER):
         if i is None:
-            out[rest] = _select(t, _OUTER_HIDDEN_DIM[rest], cut.hidden) if (
+            out[rest] = keep_along(t, _OUTER_HIDDEN_DIM[rest], cut.hidden) if (
                 cut.hidden is not None and rest in _OUTER_HIDDEN_DIM) else t
         else:
             out[f"model.layers.{i}.{rest}"] = _cut(rest, t, cut, head_dim)

@@ -31,7 +31,7 @@ import re
 import torch
 
 from megatron_kd.prune.cuts import KeptParts, LayerCut, PruneError
-from megatron_kd.prune.hf_checkpoint import head_rows
+from megatron_kd.prune.hf_checkpoint import head_rows, keep_along
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -69,13 +69,9 @@ _OUTER_HIDDEN_DIM = {"embedding.word_embeddings.weight": 1, "embedding.position_
                      "output_layer.weight": 1, "decoder.final_layernorm.weight": 0, "decoder.final_layernorm.bias": 0}
 
 
-def _select(t: torch.Tensor, dim: int, index) -> torch.Tensor:
-    return t.index_select(dim, torch.as_tensor(index)).contiguous()
-
-
 def _fc1_cut(t: torch.Tensor, channels: list[int], gated: bool) -> torch.Tensor:
     """linear_fc1's rows (weight or bias) of ``channels``."""
-    return _select(t, 0, _ffn_rows(channels, t.shape[0] // 2 if gated else t.shape[0], gated))
+    return keep_along(t, 0, _ffn_rows(channels, t.shape[0] // 2 if gated else t.shape[0], gated))
 
 
 def _cut(name: str, t, cut: LayerCut, gated: bool, attention: tuple[int, int, int] | None = None,
@@ -88,27 +84,27 @@ def _cut(name: str, t, cut: LayerCut, gated: bool, attention: tuple[int, int, in
     if cut.heads is not None:
         num_heads, groups, head_dim = attention
         if name in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-            t = _select(t, 0, qkv_rows(cut.heads, num_heads, groups, head_dim))
+            t = keep_along(t, 0, qkv_rows(cut.heads, num_heads, groups, head_dim))
         elif name == "self_attention.linear_proj.weight":
-            t = _select(t, 1, head_rows(cut.heads, head_dim))
+            t = keep_along(t, 1, head_rows(cut.heads, head_dim))
         elif name == "self_attention.core_attention.softmax_offset":
-            t = _select(t, 0, cut.heads)
+            t = keep_along(t, 0, cut.heads)
     if cut.experts is not None and name in ("mlp.router.weight", "mlp.router.expert_bias"):
-        t = _select(t, 0, cut.experts)
+        t = keep_along(t, 0, cut.experts)
     if cut.ffn is not None:
         if name.startswith("mlp.experts."):
             raise PruneError("an FFN width of the experts is --prune-moe-ffn-hidden-size (expert_ffn), not ffn")
         if name in ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias"):
             t = _fc1_cut(t, cut.ffn, gated)
         elif name == "mlp.linear_fc2.weight":
-            t = _select(t, 1, cut.ffn)
+            t = keep_along(t, 1, cut.ffn)
     if cut.expert_ffn is not None and expert is not None:
         if name in ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc1.bias"):
             t = _fc1_cut(t, cut.expert_ffn[expert], gated)
         elif name == "mlp.experts.linear_fc2.weight":
-            t = _select(t, 1, cut.expert_ffn[expert])
+            t = keep_along(t, 1, cut.expert_ffn[expert])
     if cut.hidden is not None and name in _HIDDEN_DIM:
-        t = _select(t, _HIDDEN_DIM[name], cut.hidden)
+        t = keep_along(t, _HIDDEN_DIM[name], cut.hidden)
     return t
 
 
@@ -122,7 +118,7 @@ def pruned_megatron_state(state: dict, kept: KeptParts, *, gated: bool,
     out = {}
     for i, rest, t, cut in kept.entries(state, _LAYER):
         if i is None:
-            out[rest] = _select(t, _OUTER_HIDDEN_DIM[rest], cut.hidden) if (
+            out[rest] = keep_along(t, _OUTER_HIDDEN_DIM[rest], cut.hidden) if (
                 cut.hidden is not None and rest in _OUTER_HIDDEN_DIM and isinstance(t, torch.Tensor)) else t
             continue
         e = _LOCAL_EXPERT.match(rest)
