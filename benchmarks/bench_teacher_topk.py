@@ -9,9 +9,19 @@ chunked), (c) the bare bf16 projection hidden·Wᵀ that any teacher forward pay
 Overhead of extraction = (b - c) / (a + c): what the cache adds over a forward that yields logits.
 
 ``--pass-samples N`` also times the whole teacher pass over N samples of random tokens written
-to a temporary cache (``--codec``): ``capture_teacher`` (stores behind the forward, on a worker
-thread) and the same steps with each micro-batch written inline (``CacheWriter.write``), each
-against N x (a + c).
+to a temporary cache, for each of ``--codecs`` (sampled-counts-v1 in sampled mode, K draws per
+token): ``capture_teacher`` (stores behind the forward, on ``--workers`` threads) and the same steps
+with each micro-batch written inline (``CacheWriter.write``), each against N x (a + c). A pass
+shorter than a few shards pays the last shard's compression after the last forward: at 8192 x
+100 a shard holds 13 samples, so --pass-samples 8 is one shard written at the end.
+
+``--store-rate 1,2,4`` needs no GPU: it stores ``--store-samples`` synthetic samples (ids of
+Zipf-like gaps, Student-t log-probs holding 0.9 of the mass; sampled rows draw K tokens from them)
+through ``WriteBehind`` with each number of workers, and prints tokens/s and tokens per
+CPU-second of the store alone (encoded beforehand, as a GPU pass encodes on its device) per codec:
+how far the pool scales on the machine's cores.
+
+    python benchmarks/bench_teacher_topk.py --store-rate 1,2,4,8,16 --store-samples 32
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,8 +47,17 @@ def main():
     p.add_argument("--chunk-sizes", default="0,512,1024,2048", help="0 = automatic")
     p.add_argument("--breakdown", action="store_true", help="also time the steps of one 2048-token chunk")
     p.add_argument("--pass-samples", type=int, default=0, help="also time a whole teacher pass over N samples")
-    p.add_argument("--codec", default="topk-v2", help="the cache codec of --pass-samples")
+    p.add_argument("--codecs", default="topk-v2,topk-v3,sampled-counts-v1",
+                   help="the cache codecs of --pass-samples and --store-rate")
+    p.add_argument("--workers", type=int, default=None,
+                   help="store workers of --pass-samples (default: write_behind.default_workers())")
+    p.add_argument("--store-rate", default=None, metavar="W1,W2,...",
+                   help="CPU only: the store rate of synthetic rows with each number of workers, then exit")
+    p.add_argument("--store-samples", type=int, default=32, help="samples per --store-rate measurement")
+    p.add_argument("--rows-per-shard", type=int, default=None, help="of --store-rate (default: the writer's)")
     args = p.parse_args()
+    if args.store_rate:
+        return store_rate(args)
 
     from megatron_kd.distributed import init_process_group
     init_process_group("nccl")
@@ -102,53 +122,121 @@ def main():
             time_teacher_pass(model, args, vocab, logits_forward_ms=t_fwd + t_proj)
 
 
+def _writer_of(codec: str, path, *, vocab: int, k: int, seq: int, n: int, rows_per_shard=None):
+    from megatron_kd.cache import CacheWriter
+    from megatron_kd.cache.encodings import SAMPLED_COUNTS_V1
+
+    meta = {"mode": "sampled", "sampled_draws": k} if codec == SAMPLED_COUNTS_V1 else None
+    return CacheWriter(path, vocab_size=vocab, topk=k, seq_length=seq, num_samples=n, codec=codec, metadata=meta,
+                       rows_per_shard=rows_per_shard)
+
+
 def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
-    """The teacher pass end to end (forward, top-K, encode, store) against N logits forwards."""
+    """The teacher pass end to end (forward, top-K or draws, encode, store) against N logits forwards."""
     import tempfile
     import time
 
-    from megatron_kd.cache import CacheWriter
-    from megatron_kd.ops.topk import vocab_parallel_topk
+    from megatron_kd.cache.encodings import SAMPLED_COUNTS_V1
+    from megatron_kd.cache.write_behind import default_workers
+    from megatron_kd.ops.topk import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
     from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
 
     n, s = args.pass_samples, args.seq_length
+    workers = args.workers or default_workers()
     gen = torch.Generator().manual_seed(0)
     dataset = [{"tokens": torch.randint(0, vocab, (s,), generator=gen), "position_ids": torch.arange(s)}
                for _ in range(n)]
     teacher = MegatronTeacher(model, vocab_size=vocab)
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def writer(path):
-        return CacheWriter(path, vocab_size=vocab, topk=args.topk, seq_length=s, num_samples=n, codec=args.codec)
-
-    def inline(w):  # the pass with each micro-batch stored before the next forward
-        for i in w.pending_samples():
-            x = dataset[int(i)]
-            hidden, weight = teacher(x["tokens"][None].to(device), x["position_ids"][None].to(device))
-            ids, lps = vocab_parallel_topk(hidden, weight, args.topk, vocab_size=vocab)
-            w.write(int(i), ids[:, 0], lps[:, 0])
-
-    def behind(w):
-        capture_teacher(teacher, dataset, w, CaptureConfig(topk=args.topk), progress=False)
-
-    with tempfile.TemporaryDirectory() as tmp:  # warm-up
-        warm = writer(f"{tmp}/cache")
-        inline(warm)
-        warm.close()
     floor = n * logits_forward_ms / 1e3
-    print(f"teacher pass over {n} x {s} tokens, codec {args.codec}; {n} logits forwards {floor:.2f} s")
-    for name, run in (("stores inline", inline), ("stores behind (capture_teacher)", behind)):
-        with tempfile.TemporaryDirectory() as tmp:
-            w = writer(f"{tmp}/cache")
-            sync()
-            start = time.perf_counter()
-            run(w)
-            w.close()
-            sync()
-            took = time.perf_counter() - start
-        print(f"  {name:32} {took:7.2f} s  {n * s / took:10,.0f} tokens/s  overhead over a logits forward "
-              f"{100 * (took / floor - 1):5.1f}%")
+    print(f"teacher pass over {n} x {s} tokens, {workers} store workers; {n} logits forwards {floor:.2f} s")
+    for codec in args.codecs.split(","):
+        mode = "sampled" if codec == SAMPLED_COUNTS_V1 else "topk"
+
+        def inline(w):  # the pass with each micro-batch stored before the next forward
+            for i in w.pending_samples():
+                x = dataset[int(i)]
+                hidden, weight = teacher(x["tokens"][None].to(device), x["position_ids"][None].to(device))
+                if mode == "topk":
+                    ids, lps = vocab_parallel_topk(hidden, weight, args.topk, vocab_size=vocab)
+                else:
+                    keys = sample_row_keys(1234, torch.tensor([int(i)], device=device), s)
+                    ids, lps = vocab_parallel_sample(hidden, weight, args.topk, row_keys=keys, vocab_size=vocab)
+                w.write(int(i), ids[:, 0], lps[:, 0])
+
+        def behind(w):
+            capture_teacher(teacher, dataset, w, CaptureConfig(topk=args.topk, mode=mode, store_workers=workers),
+                            progress=False)
+
+        with tempfile.TemporaryDirectory() as tmp:  # warm-up
+            warm = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
+            inline(warm)
+            warm.close()
+        for name, run in (("stores inline", inline), (f"stores behind, {workers} workers", behind)):
+            with tempfile.TemporaryDirectory() as tmp:
+                w = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
+                sync()
+                start = time.perf_counter()
+                run(w)
+                w.close()
+                sync()
+                took = time.perf_counter() - start
+            print(f"  {codec:17} {name:26} {took:7.2f} s  {n * s / took:10,.0f} tokens/s  overhead over a logits "
+                  f"forward {100 * (took / floor - 1):5.1f}%")
+
+
+def synthetic_rows(n: int, seq: int, k: int, vocab: int, *, sampled: bool, seed: int = 0):
+    """(ids int64, logprobs float32) [n, seq, K] in a random order per token, as a teacher pass hands
+    them over: K distinct ids per token from Zipf-like gaps (small ones common) below ``vocab``,
+    Student-t (v = 10) logits x 2 holding 0.9 of the mass; ``sampled``: K draws from those (distinct
+    ids with log(count / K), then padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = n * seq
+    gaps = 1 + (torch.rand(tokens, k, generator=gen).pow(3) * (2 * vocab / k)).long()
+    ids = torch.minimum(gaps.cumsum(-1), vocab - k + torch.arange(k))  # ascending, below vocab
+    ids = torch.maximum(ids, torch.cat([ids[:, :1], ids[:, :-1] + 1], 1))  # distinct where the cap bit
+    logits = torch.distributions.StudentT(10.0).sample((tokens, k)) * 2
+    lps = torch.log_softmax(logits, -1) + float(np.log(0.9))
+    if sampled:
+        picks = torch.multinomial(lps.exp(), k, replacement=True, generator=gen)
+        counts = torch.zeros(tokens, k).scatter_add_(1, picks, torch.ones(tokens, k))
+        lps = torch.where(counts > 0, torch.log(counts / k), float("-inf"))
+        ids = torch.where(counts > 0, ids, -1)
+    order = torch.argsort(torch.rand(tokens, k, generator=gen), -1)
+    return torch.gather(ids, 1, order).view(n, seq, k), torch.gather(lps, 1, order).view(n, seq, k)
+
+
+def store_rate(args) -> None:
+    """Tokens/s of WriteBehind's stores (CPU) against the number of workers, per codec."""
+    import tempfile
+    import time
+
+    from megatron_kd.cache.encodings import SAMPLED_COUNTS_V1
+    from megatron_kd.cache.write_behind import WriteBehind
+
+    n, s, k, vocab = args.store_samples, args.seq_length, args.topk, 201_088
+    counts = [int(w) for w in args.store_rate.split(",")]
+    print(f"store rate of {n} x {s} tokens, K {k}, V {vocab}; {len(os.sched_getaffinity(0))} CPU cores")
+    for codec in args.codecs.split(","):
+        ids, lps = synthetic_rows(n, s, k, vocab, sampled=codec == SAMPLED_COUNTS_V1)
+        base = None
+        for workers in counts:
+            with tempfile.TemporaryDirectory() as tmp:
+                writer = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=k, seq=s, n=n,
+                                    rows_per_shard=args.rows_per_shard)
+                encoded = [writer.encode(i, ids[i], lps[i]) for i in range(n)]  # as the GPU hands them over
+                wall, cpu = time.perf_counter(), time.process_time()
+                with WriteBehind(writer, workers=workers) as behind:
+                    for e in encoded:
+                        behind.submit_encoded(e)
+                writer.close()
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            rate = n * s / wall
+            base = base or rate
+            print(f"  {codec:17} {workers:3} workers  {rate / 1e6:6.3f} M tokens/s  x{rate / base:4.1f}  "
+                  f"{n * s / cpu / 1e6:6.3f} M tokens per CPU-second  ({writer.shard_rows} rows per shard)",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,10 @@ class WriteBehind:
 
     def submit(self, sample_idx, topk_ids, topk_logprobs) -> None:
         """Encode samples now (as ``CacheWriter.write`` takes them) and store them behind."""
-        encoded = self.writer.encode(sample_idx, topk_ids, topk_logprobs)
+        self.submit_encoded(self.writer.encode(sample_idx, topk_ids, topk_logprobs))
+
+    def submit_encoded(self, encoded: EncodedSamples) -> None:
+        """Store samples that ``CacheWriter.encode`` encoded behind; waits while the queue is full."""
         self._collect()  # finished stores leave the queue; the first error among them is raised here
         while len(self._queued) >= self.depth + self.workers - 1:
             wait(self._queued, return_when=FIRST_COMPLETED)

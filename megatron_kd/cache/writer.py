@@ -33,6 +33,7 @@ import fcntl
 import os
 import re
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -390,8 +391,12 @@ class CacheWriter:
             # so zarr never reads it back while writing some rows
             self.bindings.discard(shard)
         if buf["filled"].all():
-            for name in ARRAYS:
-                self.arrays[name][start:stop] = buf[name]
+            # the arrays at once: each write spreads its chunks over zarr's codec threads, and a pass
+            # compresses its last shard after its last forward (write_behind.py)
+            with ThreadPoolExecutor(len(ARRAYS), thread_name_prefix="cache-array") as arrays:
+                for written in [arrays.submit(self.arrays[name].__setitem__, slice(start, stop), buf[name])
+                                for name in ARRAYS]:
+                    written.result()
         else:
             for local in np.flatnonzero(buf["filled"] & ~self.done[start:stop]):
                 for name in ARRAYS:
