@@ -52,7 +52,8 @@ Per loss path, one ``megatron-kd train`` run:
   dense  KD on materialized logits (``--kd-impl dense``; expected out of memory at 32K)
   online the teacher in the same process (llama3-3b: examples/llama/8b.sh, random weights, bf16, no
          grad) and dense KL over the full vocabulary: benchmarks/online_kd.py, a benchmark-only
-         path around ``megatron-kd train``'s entry; the plan does not count its teacher
+         path around ``megatron-kd train``'s entry; the plan does not count its teacher, and its
+         model FLOPs are the student's (the teacher's forward is what online KD adds to the step)
 Memory layout and optimizer, passed to Megatron-LM (the recipe's own recompute flags are replaced):
   --recompute full | block:N | selective | none | plan   full: every layer (uniform, 1 layer);
                  block:N: the first N layers whole (--recompute-method block), the others not;

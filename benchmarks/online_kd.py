@@ -65,7 +65,10 @@ def build_teacher(args) -> torch.nn.Module:
     """The teacher GPTModel of ``args`` (``teacher_args``), frozen."""
     from megatron_kd.models.gpt import gpt_model_from_args
 
-    return gpt_model_from_args(args).requires_grad_(False).eval()
+    model = gpt_model_from_args(args)
+    if torch.cuda.is_available():  # as Megatron's get_model: megatron-core builds the norms on the host
+        model.cuda(torch.cuda.current_device())
+    return model.requires_grad_(False).eval()
 
 
 class OnlineKDForwardStep:
