@@ -165,57 +165,73 @@ class ConversationRenderer:
         return ids, mask, True
 
 
+def _conversations(input_path: Path, render: ConversationRenderer):
+    """(ids, mask, truncated) of each conversation of the JSONL file, streamed; errors name FILE:LINE."""
+    try:
+        handle = input_path.open(encoding="utf-8")
+    except OSError as e:
+        raise UserError(f"--input {input_path}: cannot read it ({e.strerror})") from None
+    with handle:
+        number = 0
+        try:
+            for number, text in enumerate(handle, 1):
+                if not text.strip():
+                    continue
+                where = f"{input_path}:{number}"
+                try:
+                    line = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ChatDataError(f"{where}: not a JSON line ({e.msg} at column {e.colno})") from None
+                try:
+                    yield render(line)
+                except ChatDataError as e:
+                    raise ChatDataError(f"{where}: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ChatDataError(f"{input_path}:{number + 1}: not UTF-8 ({e.reason})") from None
+
+
 def build_chat_dataset(input_path, output_prefix, tokenizer, settings: MaskSettings, *,
                        renderer: str = "auto") -> dict:
     """Render every conversation of ``input_path`` and write the token dataset, the loss-mask dataset
-    and the sidecar at ``output_prefix``; returns the sidecar's content. ``ChatDataError`` (one line,
-    "FILE:LINE: ...") for a line that cannot be rendered; nothing is written then."""
+    and the sidecar at ``output_prefix``, streaming (one conversation in memory at a time); returns
+    the sidecar's content. ``ChatDataError`` (one line, "FILE:LINE: ...") for a line that cannot be
+    rendered; the files begun are removed then, and the sidecar is written last."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     from megatron_kd.megatron.data import tokenizer_fingerprint
 
     render = ConversationRenderer(tokenizer, settings, renderer)
     input_path, prefix = Path(input_path), Path(output_prefix)
-    try:
-        lines = input_path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--input {input_path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
-    documents = []
-    truncated = 0
-    for number, text in enumerate(lines, 1):
-        if not text.strip():
-            continue
-        where = f"{input_path}:{number}"
-        try:
-            line = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ChatDataError(f"{where}: not a JSON line ({e.msg} at column {e.colno})") from None
-        try:
-            ids, mask, cut = render(line)
-        except ChatDataError as e:
-            raise ChatDataError(f"{where}: {e}") from None
-        documents.append((ids, mask))
-        truncated += cut
-    if not documents:
-        raise ChatDataError(f"--input {input_path}: no conversation in it")
     prefix.parent.mkdir(parents=True, exist_ok=True)
+    sidecar_path(prefix).unlink(missing_ok=True)  # no sidecar describes half-written files
+    files = [Path(f"{p}.{ext}") for p in (prefix, mask_prefix(prefix)) for ext in ("bin", "idx")]
     dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     tokens = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
     masks = IndexedDatasetBuilder(f"{mask_prefix(prefix)}.bin", dtype=np.uint8)
     mask_hash = hashlib.sha256()
-    for ids, mask in documents:
-        tokens.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
-        mask_bytes = np.asarray(mask, dtype=np.uint8)
-        masks.add_document(torch.from_numpy(mask_bytes.astype(np.int64)), [len(mask)])
-        mask_hash.update(mask_bytes.tobytes())
+    documents = n_tokens = n_loss = truncated = 0
+    try:
+        for ids, mask, cut in _conversations(input_path, render):
+            tokens.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+            mask_bytes = np.asarray(mask, dtype=np.uint8)
+            masks.add_document(torch.from_numpy(mask_bytes.astype(np.int64)), [len(mask)])
+            mask_hash.update(mask_bytes.tobytes())
+            documents, n_tokens, n_loss, truncated = documents + 1, n_tokens + len(ids), n_loss + sum(mask), \
+                truncated + cut
+        if not documents:
+            raise ChatDataError(f"--input {input_path}: no conversation in it")
+    except BaseException:
+        for builder in (tokens, masks):
+            builder.data_file.close()
+        for file in files:
+            file.unlink(missing_ok=True)
+        raise
     tokens.finalize(f"{prefix}.idx")
     masks.finalize(f"{mask_prefix(prefix)}.idx")
-    n_tokens = sum(len(ids) for ids, _ in documents)
-    n_loss = sum(sum(mask) for _, mask in documents)
     sidecar = {
         "format": SIDECAR_FORMAT, "renderer": render.renderer, "settings": settings.to_json(),
         "mask": f"{render.renderer} {settings.describe()}", "loss_mask": mask_prefix(prefix).name,
-        "documents": len(documents), "tokens": n_tokens, "loss_tokens": n_loss, "truncated": truncated,
+        "documents": documents, "tokens": n_tokens, "loss_tokens": n_loss, "truncated": truncated,
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), "mask_sha256": mask_hash.hexdigest(),
     }
     sidecar["fingerprint"] = digest({"renderer": render.renderer, "settings": settings.to_json(),
