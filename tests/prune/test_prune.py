@@ -22,7 +22,8 @@ calibration -> cuts -> student path on a Megatron GPT-OSS teacher.
    teacher with those layers taken out, those channels' linear_fc2 columns and those heads'
    linear_proj columns zeroed; on a GPT-OSS-style megatron-core MoE the experts' channel scores of
    the grouped (bf16) and sequential (fp32) paths agree, the experts' width cut computes the
-   teacher with those channels' fc2 columns zeroed and the hidden cut loads strictly and runs
+   teacher with those channels' fc2 columns zeroed and the hidden cut loads strictly and runs; at
+   expert-parallel size 2 each rank's experts land in its block of the gathered scores
 """
 
 import math
@@ -656,6 +657,32 @@ def test_expert_channels_and_hidden_of_a_megatron_moe(seed):
     path; the expert-width cut of a megatron-core MoE computes the teacher with the cut channels
     switched off; the hidden cut loads strictly into the narrower model."""
     spawn(_megatron_moe_worker, seed, world_size=1)
+
+
+def _expert_parallel_scores_worker(rank, world, seed):
+    from megatron.core import parallel_state
+
+    with megatron_cpu_patches():
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=world)  # EP 2 over DP 2: EDP 1
+        model = _megatron_moe(seed)
+        assert len(model.decoder.layers[0].mlp.experts.local_experts) == 2
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed + rank))
+        with ImportanceCollector(model, dp_group=parallel_state.get_data_parallel_group()) as collector:
+            with torch.no_grad():
+                model(tokens, torch.arange(16).expand(2, 16), None)
+        local = [sq.clone() for sq in collector.expert_ffn_sq]  # this rank's 2 experts, both ranks' tokens
+        scores = collector.scores()
+        assert scores.tokens == world * 32 and scores.expert_ffn.shape == (2, 4, 48)
+        for layer, sq in enumerate(local):  # this rank's experts in its block of the gathered 4, as they are
+            torch.testing.assert_close(scores.expert_ffn[layer, 2 * rank:2 * rank + 2], sq.sqrt(), rtol=0, atol=0)
+        # routing mass over both ranks' tokens: an expert saw activation exactly where tokens went to it
+        assert torch.equal(scores.expert_ffn.sum(-1) > 0, scores.experts > 0)
+
+
+def test_expert_channel_scores_under_expert_parallelism(seed):
+    """EP 2: each rank's experts' channel norms land in its block of the gathered [E, I], over the
+    tokens of every data-parallel rank."""
+    spawn(_expert_parallel_scores_worker, seed, world_size=2)
 
 
 def test_student_flags_keep_the_head_width():
