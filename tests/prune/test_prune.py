@@ -342,15 +342,30 @@ def test_pruned_expert_channels_are_the_teacher_without_them(tmp_path, seed):
         tokens = _tokens(seed, GPT_OSS_SEQ)
         assert rel_err(student(input_ids=tokens).logits, teacher(input_ids=tokens).logits) < TOL
 
-    mxfp4_dir = write_pruned_hf(make_tiny_gpt_oss(tmp_path / "mxfp4", seed=seed, layout="mxfp4"),
-                                tmp_path / "from_mxfp4", kept)
-    dense, dequantized = safetensors_of(student_dir), safetensors_of(mxfp4_dir)
+    # MXFP4, its blocks in one file and their scales in another, under both width cuts
+    from safetensors.torch import save_file
+
+    mxfp4_teacher = make_tiny_gpt_oss(tmp_path / "mxfp4", seed=seed, layout="mxfp4")
+    tensors = safetensors_of(mxfp4_teacher)
+    (mxfp4_teacher / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {k: t for k, t in tensors.items() if k.endswith("_blocks")},
+              "model-00002-of-00002.safetensors": {k: t for k, t in tensors.items() if not k.endswith("_blocks")}}
+    for name, shard in shards.items():
+        save_file(shard, str(mxfp4_teacher / name), metadata={"format": "pt"})
+    (mxfp4_teacher / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: name for name, shard in shards.items() for k in shard}}))
+    kept = KeptParts(layers=[0, 1], experts=kept.experts, expert_ffn=kept.expert_ffn, hidden=list(range(0, 64, 2)))
+    dense = safetensors_of(write_pruned_hf(teacher_dir, tmp_path / "both", kept))
+    mxfp4_dir = write_pruned_hf(mxfp4_teacher, tmp_path / "from_mxfp4", kept)
+    dequantized = safetensors_of(mxfp4_dir)
     assert dense.keys() == dequantized.keys()
     for key, t in dequantized.items():
         assert t.dtype == (torch.bfloat16 if key.endswith(("gate_up_proj", "down_proj")) else torch.float32), key
         assert torch.equal(t.float(), dense[key]), key
     assert "quantization_config" not in json.loads((mxfp4_dir / "config.json").read_text())
     assert "bf16" in json.loads((mxfp4_dir / "prune.json").read_text())["mxfp4_dequantized"]
+    index = json.loads((mxfp4_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert index["model.layers.0.mlp.experts.down_proj"] == "model-00002-of-00002.safetensors"  # with its scales
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
