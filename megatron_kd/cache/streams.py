@@ -18,6 +18,10 @@ payloads in order. A stream is zstd-compressed only when that makes it smaller.
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from numcodecs.zstd import Zstd
 
@@ -25,6 +29,11 @@ from megatron_kd.cache.codec import CacheError
 
 _HEADER = np.dtype([("raw", "<u4"), ("stored", "<u4"), ("method", "u1")])
 _STORED, _ZSTD = 0, 1
+_COMPRESS_POOL: ThreadPoolExecutor | None = None  # made on first use: readers never start it
+_COMPRESS_POOL_LOCK = threading.Lock()
+# below this many raw bytes a chunk's streams compress one after another: handing them to threads
+# costs more than it saves
+PARALLEL_BYTES = 1 << 18
 
 
 # ---------------------------------------------------------------- integers as byte planes
@@ -70,14 +79,35 @@ def width_for(limit: int) -> int:
 
 
 # ---------------------------------------------------------------- container
+def _compress_pool() -> ThreadPoolExecutor:
+    global _COMPRESS_POOL
+    with _COMPRESS_POOL_LOCK:
+        if _COMPRESS_POOL is None:
+            _COMPRESS_POOL = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="zstd")
+        return _COMPRESS_POOL
+
+
+def _forget_pool_in_child() -> None:
+    global _COMPRESS_POOL, _COMPRESS_POOL_LOCK
+    _COMPRESS_POOL, _COMPRESS_POOL_LOCK = None, threading.Lock()  # a forked child has none of the threads
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 def pack_streams(streams: list[np.ndarray], level: int) -> bytes:
-    """Streams (uint8 arrays) -> one chunk's bytes; each stream zstd-compressed when that is smaller."""
+    """Streams (uint8 arrays) -> one chunk's bytes; each stream zstd-compressed when that is smaller.
+    The streams compress at once (zstd releases the GIL): a chunk costs its largest stream, not all of
+    them, which is what a teacher pass waits for after its last forward (write_behind.py)."""
     zstd = Zstd(level=level)
+    raws = [np.ascontiguousarray(s, dtype=np.uint8).tobytes() for s in streams]
+    large = [raw for raw in raws if len(raw) > 32]
+    parallel = len(large) > 1 and sum(map(len, large)) >= PARALLEL_BYTES
+    compressed = iter(_compress_pool().map(zstd.encode, large) if parallel else map(zstd.encode, large))
     header = np.zeros(len(streams), _HEADER)
     payloads = []
-    for i, s in enumerate(streams):
-        raw = np.ascontiguousarray(s, dtype=np.uint8).tobytes()
-        packed = zstd.encode(raw) if len(raw) > 32 else raw
+    for i, raw in enumerate(raws):
+        packed = next(compressed) if len(raw) > 32 else raw
         method = _ZSTD if len(packed) < len(raw) else _STORED
         payloads.append(packed if method == _ZSTD else raw)
         header[i] = (len(raw), len(payloads[-1]), method)

@@ -140,6 +140,16 @@ def test_byte_plane_streams_round_trip(seed):
         unpack_streams(pack_streams(streams, 3)[:-1], len(streams), limit=1 << 20)
 
 
+
+def test_streams_compressed_at_once_are_the_serial_bytes(seed, monkeypatch):
+    from megatron_kd.cache import streams as st
+
+    rng = np.random.default_rng(seed)  # a chunk large enough for its streams to go to threads
+    streams = [*plane_streams(rng.zipf(1.3, st.PARALLEL_BYTES // 2) % (1 << 20), 4), rng.integers(0, 9, 100, np.uint8)]
+    at_once = pack_streams(streams, 9)
+    monkeypatch.setattr(st, "PARALLEL_BYTES", 1 << 62)
+    assert at_once == pack_streams(streams, 9)
+
 # ---------------------------------------------------------------- 3. topk-v1 stores of before
 def _fixture_inputs():
     data = np.load(FIXTURE / "inputs.npz")
