@@ -8,7 +8,8 @@ Per parameter, what the optimizer holds (Megatron's default in brackets):
              bytes each; fp32 for tensors under 4,096 elements           [fp32: 4 + 4 bytes]
   => 2.03 bytes per parameter instead of 12.
 
-One update, per chunk of ``CHUNK`` elements (temporaries stay bounded whatever the tensor): the
+One update (on CUDA one Triton kernel per tensor, ``adam_triton.py``; elsewhere the torch ops below,
+per chunk of ``CHUNK`` elements so that temporaries stay bounded whatever the tensor): the
 moments are dequantized to fp32, the gradient (any float dtype; Megatron's bf16 ``decoupled_grad``)
 is read in fp32, and torch's AdamW formula runs in fp32 on an fp32 copy of the parameter::
 
@@ -57,6 +58,7 @@ MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 # temporaries per element: ~0.7 GB at most, whatever the tensor
 CHUNK = 1 << 24
 _STORED_DTYPE = {"8bit": torch.uint8, "fp32": torch.float32}  # what megatron-core's flags must say
+IMPLS = ("auto", "triton", "torch")
 
 
 def state_bytes_per_element(moments: str) -> float:
@@ -150,9 +152,8 @@ def _store(chunk, encoded) -> None:
 
 def _chunk_step(param, grad, exp_avg, exp_avg_sq, qmap_signed, qmap_unsigned, scalars, *,
                 key: tuple[int, int] | None, offset: int, adam_w_mode: bool):
-    """One chunk's update, without side effects (one torch.compile graph on CUDA; the codes and
-    scales of a packed moment are views of one buffer, which compiled graphs may not write):
-    returns the new parameter values and the encoded moments. ``scalars``: ``step_scalars``."""
+    """One chunk's update in torch ops, without side effects: returns the new parameter values and
+    the encoded moments. ``scalars``: ``step_scalars`` (numbers, or a device tensor of them)."""
     n = param.numel()
     m, v = _load(exp_avg, qmap_signed, n), _load(exp_avg_sq, qmap_unsigned, n)
     p32, m, v = _adam_chunk(param, grad, m, v, scalars, adam_w_mode)
@@ -178,10 +179,7 @@ def _adam_chunk(param, grad, exp_avg, exp_avg_sq, s, adam_w_mode: bool):
     """One Adam(W) update of a chunk in fp32: returns (parameter fp32, exp_avg, exp_avg_sq), the
     moments updated in place. torch.optim.AdamW's formula and order of operations, bit for bit on the
     CPU; its ``value=`` scalars are multiplied in first as its kernels do, so that ``s`` may hold
-    0-d tensors: a compiled graph then reads the numbers of each step instead of being specialized
-    on them (torch.compile guards on a float that an op takes as a Python number: a new graph every
-    step, then past its recompile limit of 8 the eager fallback, 3.4 s a step for a 4.2B-parameter
-    rank on an H200, 2026-12-01).
+    0-d tensors (the Triton kernel follows the same order and reads the numbers from the device).
     No branch on a value: a weight decay of 0 multiplies by exactly 1 (adds exactly 0 with L2)."""
     p32 = param.float()
     g32 = grad.float()
@@ -198,13 +196,14 @@ def _adam_chunk(param, grad, exp_avg, exp_avg_sq, s, adam_w_mode: bool):
 
 class Bf16Adam(torch.optim.Optimizer):
     """See the module docstring. ``rounding``: "stochastic" | "nearest"; ``moments``: "8bit" |
-    "fp32"; ``seed``: of the stochastic-rounding streams; ``compile``: run the per-chunk update
-    through torch.compile ("auto": on CUDA). The keywords after ``compile`` are those megatron-core
-    passes to Transformer Engine's FusedAdam; each is checked against what this optimizer does."""
+    "fp32"; ``seed``: of the stochastic-rounding streams; ``impl``: "triton" (one fused kernel per
+    tensor, ``adam_triton.py``), "torch" (the per-chunk reference in torch ops) or "auto" (Triton for
+    CUDA tensors). The keywords after ``impl`` are those megatron-core passes to Transformer
+    Engine's FusedAdam; each is checked against what this optimizer does."""
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, adam_w_mode: bool = True,
-                 rounding: str = "stochastic", moments: str = "8bit", seed: int = 0, compile: str | bool = "auto",
+                 rounding: str = "stochastic", moments: str = "8bit", seed: int = 0, impl: str = "auto",
                  group_stream: Callable[[dict], int] = lambda group: 0,
                  master_weights: bool = True, master_weight_dtype: torch.dtype | None = None,
                  exp_avg_dtype: torch.dtype | None = None, exp_avg_sq_dtype: torch.dtype | None = None,
@@ -213,6 +212,8 @@ class Bf16Adam(torch.optim.Optimizer):
             raise UserError(f"Bf16Adam rounding must be one of {ROUNDINGS}, got {rounding!r}")
         if moments not in MOMENTS:
             raise UserError(f"Bf16Adam moments must be one of {MOMENTS}, got {moments!r}")
+        if impl not in IMPLS:
+            raise UserError(f"Bf16Adam impl must be one of {IMPLS}, got {impl!r}")
         if amsgrad:
             raise UserError("Bf16Adam has no AMSGrad variant: amsgrad must be False")
         if capturable:
@@ -242,23 +243,15 @@ class Bf16Adam(torch.optim.Optimizer):
         self.adam_w_mode, self.rounding, self.moments, self.seed = adam_w_mode, rounding, moments, seed
         self.use_decoupled_grad = use_decoupled_grad
         self._origins = _TensorOrigins(self.param_groups, group_stream)
-        self._compile = compile
-        self._compiled = None
+        self.impl = impl
 
     # -- the update ---------------------------------------------------------------------------------
 
     def _grad(self, p: torch.Tensor) -> torch.Tensor | None:
         return getattr(p, "decoupled_grad", None) if self.use_decoupled_grad else p.grad
 
-    def _uses_compile(self, device: torch.device) -> bool:
-        return self._compile if self._compile != "auto" else device.type == "cuda"
-
-    def _step_fn(self, device: torch.device):
-        if not self._uses_compile(device):
-            return _chunk_step
-        if self._compiled is None:
-            self._compiled = torch.compile(_chunk_step, dynamic=True)
-        return self._compiled
+    def _uses_triton(self, device: torch.device) -> bool:
+        return self.impl == "triton" or (self.impl == "auto" and device.type == "cuda")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -277,7 +270,7 @@ class Bf16Adam(torch.optim.Optimizer):
                 if grad is None or not p.numel():
                     continue
                 scalars = numbers
-                if self._uses_compile(p.device):  # one small host-to-device copy per group and step
+                if self._uses_triton(p.device):  # one small host-to-device copy per group and step
                     if p.device not in on_device:
                         on_device[p.device] = torch.tensor(numbers, dtype=torch.float32, device=p.device)
                     scalars = on_device[p.device]
@@ -294,13 +287,18 @@ class Bf16Adam(torch.optim.Optimizer):
             index, stream, offset = self._origins.origin(p, group)
             key = stream_key(self.seed, stream, index, group["step"])
         flat_p, flat_g = p.view(-1), grad.reshape(-1)
-        step_fn = self._step_fn(p.device)
         qmaps = _qmap(True, p.device), _qmap(False, p.device)
+        if self._uses_triton(p.device):
+            from megatron_kd.optim.adam_triton import triton_update
+
+            triton_update(flat_p, flat_g.contiguous(), state["exp_avg"], state["exp_avg_sq"], qmaps, scalars, key=key,
+                          offset=offset if stochastic else 0, adam_w_mode=self.adam_w_mode)
+            return
         for start in range(0, p.numel(), CHUNK):
             end = min(p.numel(), start + CHUNK)
             m, v = _moment_chunk(state["exp_avg"], start, end), _moment_chunk(state["exp_avg_sq"], start, end)
-            new_p, new_m, new_v = step_fn(flat_p[start:end], flat_g[start:end], m, v, *qmaps, scalars, key=key,
-                                          offset=offset + start if stochastic else 0, adam_w_mode=self.adam_w_mode)
+            new_p, new_m, new_v = _chunk_step(flat_p[start:end], flat_g[start:end], m, v, *qmaps, scalars, key=key,
+                                              offset=offset + start if stochastic else 0, adam_w_mode=self.adam_w_mode)
             _store(m, new_m)
             _store(v, new_v)
             flat_p[start:end].copy_(new_p)

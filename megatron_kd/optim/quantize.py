@@ -32,7 +32,7 @@ import torch
 BLOCK = 256
 MIN_QUANTIZED_NUMEL = 4096
 # the scale of an all-zero block: any positive number; the smallest normal keeps x / s finite
-_ZERO_BLOCK_SCALE = torch.finfo(torch.float32).tiny
+ZERO_BLOCK_SCALE = torch.finfo(torch.float32).tiny
 
 
 def _bitsandbytes_dynamic_map(signed: bool) -> list[float]:
@@ -86,7 +86,7 @@ def quantize(x: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.T
     n = x.numel()
     blocks = -(-n // BLOCK)
     padded = torch.nn.functional.pad(x.reshape(-1), (0, blocks * BLOCK - n)).view(blocks, BLOCK)
-    scales = padded.abs().amax(1).clamp_min(_ZERO_BLOCK_SCALE)
+    scales = padded.abs().amax(1).clamp_min(ZERO_BLOCK_SCALE)
     # x / s is exactly ±1 for the block's extreme element (IEEE division of x by |x|)
     codes = nearest_codes((padded / scales[:, None]).view(-1), qmap)
     return codes, scales
@@ -122,7 +122,7 @@ def packed_zeros(numel: int, signed: bool, device: torch.device | str = "cpu") -
     packed = torch.empty(packed_numel(numel), dtype=torch.uint8, device=device)
     codes, scales = packed_views(packed)
     codes.fill_(_dynamic_map_values(signed).index(0.0))
-    scales.fill_(_ZERO_BLOCK_SCALE)
+    scales.fill_(ZERO_BLOCK_SCALE)
     return packed
 
 

@@ -21,6 +21,7 @@ from megatron_kd.ops.topk_kl_triton import (
     scale_rows_kernel,
 )
 from megatron_kd.ops.topk_triton import topk_candidates_kernel
+from megatron_kd.optim.adam_triton import BLOCKS, bf16_adam_kernel
 
 GPT_OSS_VOCAB = 201_088
 
@@ -91,6 +92,18 @@ def main():
         {"src_ptr": "*fp32", "src_stride": "i64", "scale_ptr": "*fp32", "dst_ptr": "*bf16", "dst_stride": "i64"},
         {"N": 2880, "BLOCK_N": 1024}, num_warps=4,
     )
+
+    # Bf16Adam: 8-bit moments with stochastic rounding (bf16 weights), fp32 moments rounded to nearest
+    for quantized, param, stochastic in ((True, "*bf16", True), (False, "*fp32", False)):
+        moment = "*u8" if quantized else "*fp32"
+        compile_sm90(
+            bf16_adam_kernel,
+            {"p_ptr": param, "g_ptr": "*bf16", "m_ptr": moment, "v_ptr": moment, "m_scales_ptr": "*fp32",
+             "v_scales_ptr": "*fp32", "qmap_signed_ptr": "*fp32", "qmap_unsigned_ptr": "*fp32", "scalars_ptr": "*fp32",
+             "n": "i32", "num_blocks": "i32", "key1": "i64", "key2": "i64", "offset": "i64", "tiny": "fp32"},
+            {"QUANTIZED": quantized, "ADAM_W": True, "STOCHASTIC": stochastic, "BLOCKS": BLOCKS, "BLOCK": 256},
+            num_warps=4,
+        )
 
 
 if __name__ == "__main__":
