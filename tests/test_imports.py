@@ -9,6 +9,7 @@ a dependency; it only hides a circle until the day it runs). The layers, lowest 
     models                            GPT-OSS spec, attention, experts, documents, HF import
     console                           status lines (names the layer implementation)
     megatron                          args, data, loss wiring, training entry, plan
+    data                              chat data rendering (``data chat``)
     teacher                           the cache-building pass
     demo, cli, train                  entry points
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "megatron_kd"
 LAYERS = [("errors", "version", "distributed"), ("ops", "optim"), ("cache",), ("models",), ("console",),
-          ("megatron",), ("teacher",), ("prune",), ("demo", "cli", "train")]
+          ("megatron",), ("data",), ("teacher",), ("prune",), ("demo", "cli", "train")]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 

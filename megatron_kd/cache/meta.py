@@ -34,7 +34,7 @@ PACKING_MODES = ("none", "documents", "positions", "documents+positions")
 FINGERPRINTS = ("teacher_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint")
 # Keys a writer's ``metadata`` may set; anything else belongs under "extra".
 METADATA_KEYS = ("temperature", "mode", "sampled_draws", "packing", "loss_mask", *FINGERPRINTS, "extra")
-# The fields of a non-empty ``loss_mask`` (megatron_kd.data.loss_mask.loss_mask_field)
+# The fields of a non-empty ``loss_mask`` (megatron_kd.megatron.loss_mask.loss_mask_field)
 LOSS_MASK_KEYS = ("mask", "fingerprint")
 # Draw counts of sampled-counts-v1 are uint16.
 MAX_SAMPLED_DRAWS = (1 << 16) - 1

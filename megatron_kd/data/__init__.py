@@ -1,2 +1,3 @@
 """Chat data: conversations rendered to Megatron indexed datasets with a per-token loss mask
-(``megatron-kd data chat``), and that mask joined to the GPT datasets of training and the teacher pass."""
+(``megatron-kd data chat``); ``megatron_kd.megatron.loss_mask`` joins that mask to the GPT datasets of training
+and the teacher pass."""

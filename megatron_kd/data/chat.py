@@ -19,7 +19,7 @@ tokens, else through the tokenizer's own chat template (``template.py``). Output
   per token: 1 where the token is a target the student learns to predict (its prediction, made at
   the token before it, is kept in the loss), 0 elsewhere.
 - ``PREFIX_chat.json``: the renderer, the mask settings, counts, the SHA-256 of the mask bytes and
-  the mask's fingerprint (``loss_mask.py`` reads it; the teacher cache records it).
+  the mask's fingerprint (``megatron_kd.megatron.loss_mask`` reads it; the teacher cache records it).
 
 Bad input is one line naming the file and line, exit status 2: a line that is not JSON, an unknown
 role, an empty assistant turn, a conversation longer than ``--seq-length`` under ``--overlong
@@ -36,10 +36,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_kd.data.conversation import (CHANNELS, HEADER_CHOICES, ROLES, ChatDataError, MaskSettings,
-                                           digest, parse_messages)
+from megatron_kd.data.conversation import CHANNELS, HEADER_CHOICES, ROLES, ChatDataError, MaskSettings, parse_messages
 from megatron_kd.data.harmony import SPECIAL_TOKENS, Piece, harmony_pieces
-from megatron_kd.data.loss_mask import SIDECAR_FORMAT, mask_prefix, sidecar_path
+from megatron_kd.megatron.loss_mask import SIDECAR_FORMAT, digest, mask_prefix, sidecar_path
 from megatron_kd.data.template import template_pieces
 from megatron_kd.errors import FlagError, FlagParser, UserError
 

@@ -11,7 +11,6 @@ the field; the command adds the file and line.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -88,10 +87,6 @@ class MaskSettings:
     def mask_fields(self) -> dict:
         """The settings that decide which tokens carry loss (the length limit decides what is kept)."""
         return {k: v for k, v in self.to_json().items() if k in ("loss_roles", "loss_channels", "loss_header")}
-
-
-def digest(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
 def _text(value, what: str) -> str:

@@ -4,7 +4,7 @@
 - ``write_indexed_dataset``: documents of token ids -> Megatron's .bin/.idx pair.
 - ``build_gpt_datasets``: megatron-core's GPTDataset splits through BlendedMegatronDatasetBuilder,
   exactly as Megatron-LM's pretrain_gpt builds them (so sample indices agree with training), with
-  the loss mask of chat data joined (``megatron_kd.data.loss_mask.with_loss_masks``).
+  the loss mask of chat data joined (``megatron_kd.megatron.loss_mask.with_loss_masks``).
 - ``repair_index_cache``: megatron-core caches each dataset's document / sample / shuffle index as
   ``<hash>-<class>-<split>-<name>.npy`` (beside ``-description.txt``) and memory-maps them when all
   are present. A process killed inside ``np.save`` leaves a truncated file that would then fail to
@@ -114,7 +114,7 @@ def build_gpt_datasets(data_prefixes: list[str], *, split: str, seq_length: int,
         eod_mask_loss=False, create_attention_mask=False, path_to_cache=cache_dir,
         mid_level_dataset_surplus=0.005,
     )
-    from megatron_kd.data.loss_mask import with_loss_masks
+    from megatron_kd.megatron.loss_mask import with_loss_masks
 
     repair_index_cache(config)
     builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), is_built_on_rank or (lambda: True), config)

@@ -4,7 +4,7 @@
 cached teacher ids / log-probs. Start-up checks the cache against the run (vocabulary, K,
 sequence length, tokenizer and dataset fingerprints, the loss mask of chat data) and that every
 shard file the run's samples need is there, and stops with one clear message on any difference.
-With a loss mask (``megatron_kd.data.loss_mask``) the cache holds entries only where the mask keeps
+With a loss mask (``megatron_kd.megatron.loss_mask``) the cache holds entries only where the mask keeps
 the loss; every position the sample's loss mask keeps must have them (a KDDataError otherwise),
 the others are padding and never reach the loss (their loss mask is 0). Readers are opened lazily in
 each process (DataLoader workers prefetch in parallel). A cache error met while reading a sample
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_kd.cache import CacheError, CacheReader
-from megatron_kd.data.loss_mask import loss_mask_field
+from megatron_kd.megatron.loss_mask import loss_mask_field
 from megatron_kd.errors import OneLineAcrossProcesses
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 

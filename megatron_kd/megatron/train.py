@@ -20,7 +20,7 @@ import sys
 import traceback
 from functools import partial
 
-from megatron_kd.data.loss_mask import with_loss_masks
+from megatron_kd.megatron.loss_mask import with_loss_masks
 from megatron_kd.errors import FlagError, FlagParser, UserError
 from megatron_kd.megatron.args import KDConfig, add_kd_args, check_kd_flags
 from megatron_kd.megatron.data import repair_index_cache

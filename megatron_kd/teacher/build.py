@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from megatron_kd.cache import CacheError, CacheWriter
 from megatron_kd.cache.inspect import store_bytes
-from megatron_kd.data.loss_mask import loss_mask_field
+from megatron_kd.megatron.loss_mask import loss_mask_field
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 from megatron_kd.megatron.packing import DocumentPacking
 from megatron_kd.teacher.capture import CaptureConfig, capture_teacher

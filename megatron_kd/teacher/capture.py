@@ -8,7 +8,7 @@ global sample index, position) alone (``ops.topk.sample_row_keys``), so re-runni
 point and with any micro-batch or chunk size, yields the same bytes. Each micro-batch is stored
 behind the next one's forward (``WriteBehind``): the pass's time is the teacher's, not the disk's.
 
-With ``CaptureConfig.masked`` (chat data with a loss mask: ``megatron_kd.data.loss_mask``) the
+With ``CaptureConfig.masked`` (chat data with a loss mask: ``megatron_kd.megatron.loss_mask``) the
 teacher still reads every token, but the top-K (or the draws) is taken only at the positions the
 sample's ``loss_mask`` keeps; every other position is stored as padding (no entries), which the
 entropy-coded codecs store as a count per token, so the cache grows with the answer tokens.

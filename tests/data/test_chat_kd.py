@@ -73,7 +73,7 @@ def _reference_masks(tmp: Path, tokenizer, num_samples: int | None) -> torch.Ten
 
 
 def test_sample_mask_is_megatron_cores_sample_of_the_mask(chat_data):
-    from megatron_kd.data.loss_mask import LossMaskedDataset, loss_mask_field
+    from megatron_kd.megatron.loss_mask import LossMaskedDataset, loss_mask_field
 
     tmp, tokenizer = chat_data
     train = _datasets(tmp, tokenizer)
@@ -115,7 +115,7 @@ def _teacher_pass(path, dataset, teacher, tokenizer, *, stop_after=None):
     """What ``cache build`` does on one rank: the dataset's loss mask recorded, entries where it keeps
     the loss. ``stop_after``: a pass killed once the first samples are written."""
     from megatron_kd.cache import CacheWriter
-    from megatron_kd.data.loss_mask import loss_mask_field
+    from megatron_kd.megatron.loss_mask import loss_mask_field
     from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
     from megatron_kd.teacher import CaptureConfig, capture_teacher
 

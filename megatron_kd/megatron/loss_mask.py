@@ -1,4 +1,5 @@
-"""The per-token loss mask of chat data (``megatron-kd data chat``), joined to Megatron's GPT datasets.
+"""The per-token loss mask of chat data (``megatron-kd data chat``, ``megatron_kd/data/``), joined to
+Megatron's GPT datasets.
 
 A data prefix has a loss mask when ``PREFIX_chat.json`` lies beside ``PREFIX.bin``: it names the
 uint8 indexed dataset ``PREFIX_loss_mask.bin/.idx`` (one byte per token, the same documents as the
@@ -13,6 +14,7 @@ fingerprint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -93,9 +95,12 @@ def loss_mask_field(dataset) -> dict:
     return dict(dataset.loss_mask) if isinstance(dataset, LossMaskedDataset) else {}
 
 
-def _mask_field(sidecars: list) -> dict:
-    from megatron_kd.data.conversation import digest
+def digest(obj) -> str:
+    """32 hex digits of the SHA-256 of ``obj``'s canonical JSON (the mask's fingerprints)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
 
+
+def _mask_field(sidecars: list) -> dict:
     return {"mask": "; ".join(s["mask"] if s else "none" for s in sidecars),
             "fingerprint": digest([s["fingerprint"] if s else None for s in sidecars])}
 
