@@ -161,8 +161,10 @@ class LossMaskedDataset(torch.utils.data.Dataset):
         sample_mask = self._masks[which]
         return None if sample_mask is None else sample_mask(inner)
 
-    def __getitem__(self, idx: int) -> dict:
+    def __getitem__(self, idx: int | None) -> dict:
         item = self.base[idx]  # first: it maps megatron-core's lazily loaded indices
+        if idx is None:  # GPTDataset's batch-padding sample: its loss mask is all zeros already
+            return item
         mask = self._mask(int(idx))
         if mask is not None:
             item["loss_mask"] = item["loss_mask"] * torch.from_numpy(mask.astype(np.float32))

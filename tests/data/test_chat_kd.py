@@ -81,6 +81,7 @@ def test_sample_mask_is_megatron_cores_sample_of_the_mask(chat_data):
     expect = _reference_masks(tmp, tokenizer, SAMPLES)
     got = torch.stack([train[i]["loss_mask"] for i in range(len(train))])
     assert torch.equal(got, expect) and 0.1 < float(got.mean()) < 0.6  # samples span several conversations
+    assert not train[None]["loss_mask"].any()  # megatron-core's batch-padding sample
     field = loss_mask_field(train)
     sidecar = json.loads((tmp / "data" / "chat_chat.json").read_text())
     assert field["mask"] == sidecar["mask"] and len(field["fingerprint"]) == 32
