@@ -246,8 +246,10 @@ def _comma_list(text: str) -> tuple[str, ...]:
 def chat_parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import _add_tokenizer_args
 
-    parser = FlagParser(prog="megatron-kd data chat", description=__doc__.split("\n\n")[0],
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = FlagParser(prog="megatron-kd data chat",
+                        description="OpenAI-style conversations (JSONL) -> a Megatron indexed dataset in GPT-OSS's "
+                                    "harmony format (or the tokenizer's chat template) with a per-token loss mask "
+                                    "beside it. Megatron-LM's --tokenizer-* flags name the tokenizer.")
     group = parser.add_argument_group("chat data")
     group.add_argument("--input", required=True, metavar="JSONL", help="Conversations, one JSON object per line.")
     group.add_argument("--output", required=True, metavar="PREFIX",
