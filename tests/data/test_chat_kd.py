@@ -112,7 +112,7 @@ def _student(vocab_rows: int, seed: int, layers: int = 1, hidden: int = 32):
                            position_embedding_type="learned_absolute", use_te=False)
 
 
-def _teacher_pass(path, dataset, teacher, tokenizer, *, stop_after=None):
+def _teacher_pass(path, dataset, teacher, tokenizer, *, stop_after=None, mode="topk"):
     """What ``cache build`` does on one rank: the dataset's loss mask recorded, entries where it keeps
     the loss. ``stop_after``: a pass killed once the first samples are written."""
     from megatron_kd.cache import CacheWriter
@@ -122,14 +122,14 @@ def _teacher_pass(path, dataset, teacher, tokenizer, *, stop_after=None):
 
     loss_mask = loss_mask_field(dataset)
     meta = {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-            "dataset_fingerprint": dataset_fingerprint(dataset), "loss_mask": loss_mask}
+            "dataset_fingerprint": dataset_fingerprint(dataset), "loss_mask": loss_mask, "mode": mode}
     writer = CacheWriter(path, vocab_size=tokenizer.vocab_size, topk=K, seq_length=SEQ, num_samples=SAMPLES,
                          micro_batch_size=MBS, rows_per_shard=MBS, metadata=meta)
     if stop_after is not None:
         pending = writer.pending_samples()
         writer.pending_samples = lambda: pending[pending < stop_after]
-    capture_teacher(teacher, dataset, writer, CaptureConfig(topk=K, micro_batch_size=MBS, masked=bool(loss_mask)),
-                    progress=False)
+    capture_teacher(teacher, dataset, writer, CaptureConfig(topk=K, micro_batch_size=MBS, masked=bool(loss_mask),
+                                                            mode=mode), progress=False)
     writer.close()
 
 
@@ -175,6 +175,18 @@ def _pipeline_worker(rank, world, tmp):
             assert torch.equal(a["teacher_ids"][keep], b["teacher_ids"][keep])
             assert torch.equal(a["teacher_logprobs"][keep], b["teacher_logprobs"][keep])
             answer += float(keep.float().mean()) / SAMPLES
+
+        # sampled mode: a position's draws are keyed by (seed, sample, position), so the masked pass draws
+        # at each kept position what the unmasked pass draws there
+        _teacher_pass(tmp / "sampled-masked", train, teacher, tokenizer, mode="sampled")
+        _teacher_pass(tmp / "sampled-full", train.base, teacher, tokenizer, mode="sampled")
+        sampled = KDDataset(train, str(tmp / "sampled-masked"), tokenizer=tokenizer, required_samples=SAMPLES)
+        sampled_full = KDDataset(train.base, str(tmp / "sampled-full"), tokenizer=tokenizer, required_samples=SAMPLES)
+        for i in range(SAMPLES):
+            a, b = sampled[i], sampled_full[i]
+            keep = a["loss_mask"] > 0
+            assert torch.equal(a["teacher_ids"][:, 0] >= 0, keep)
+            assert torch.equal(a["teacher_ids"][keep], b["teacher_ids"][keep])
 
         # cache bytes scale with the answer tokens
         ratio = _array_bytes(tmp / "masked") / _array_bytes(tmp / "full")
