@@ -260,3 +260,19 @@ def test_cache_records_the_mask_and_refuses_another_on_resume(chat_data):
     # a store without a mask has no field: stores of before keep their bytes and store_id
     CacheWriter(tmp / "plain", **params).close()
     assert "loss_mask" not in json.loads((tmp / "plain" / "zarr.json").read_text())["attributes"]["megatron_kd"]
+
+
+def test_a_mask_that_does_not_belong_to_its_data_is_one_error(chat_data):
+    from megatron_kd.megatron.data import write_indexed_dataset
+    from megatron_kd.megatron.loss_mask import LossMaskError
+
+    tmp, tokenizer = chat_data
+    sidecar = tmp / "data" / "chat_chat.json"
+    good = sidecar.read_text()
+    sidecar.write_text(good[:40])
+    with pytest.raises(LossMaskError, match="chat_chat.json: not readable JSON"):
+        _datasets(tmp, tokenizer)
+    sidecar.write_text(good)
+    write_indexed_dataset(tmp / "data" / "chat_loss_mask", [[1, 0, 1]] * 3, 256)  # another data set's mask
+    with pytest.raises(LossMaskError, match="chat_loss_mask.idx: its documents are not those of"):
+        _datasets(tmp, tokenizer)
