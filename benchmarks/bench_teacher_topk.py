@@ -49,8 +49,11 @@ def main():
     p.add_argument("--pass-samples", type=int, default=0, help="also time a whole teacher pass over N samples")
     p.add_argument("--codecs", default="topk-v2,topk-v3,sampled-counts-v1",
                    help="the cache codecs of --pass-samples and --store-rate")
-    p.add_argument("--workers", type=int, default=None,
-                   help="store workers of --pass-samples (default: write_behind.default_workers())")
+    p.add_argument("--workers", default=None, metavar="W1,W2,...",
+                   help="store workers of --pass-samples, one pass each (default: write_behind.default_workers())")
+    p.add_argument("--no-inline", action="store_true", help="--pass-samples without the inline pass")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="the interpreter's GIL switch interval (s) during --pass-samples (Python's: 0.005)")
     p.add_argument("--store-rate", default=None, metavar="W1,W2,...",
                    help="CPU only: the store rate of synthetic rows with each number of workers, then exit")
     p.add_argument("--store-samples", type=int, default=32, help="samples per --store-rate measurement")
@@ -142,7 +145,9 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
     from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
 
     n, s = args.pass_samples, args.seq_length
-    workers = args.workers or default_workers()
+    counts = [int(w) for w in args.workers.split(",")] if args.workers else [default_workers()]
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     gen = torch.Generator().manual_seed(0)
     dataset = [{"tokens": torch.randint(0, vocab, (s,), generator=gen), "position_ids": torch.arange(s)}
                for _ in range(n)]
@@ -150,7 +155,8 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     floor = n * logits_forward_ms / 1e3
-    print(f"teacher pass over {n} x {s} tokens, {workers} store workers; {n} logits forwards {floor:.2f} s")
+    print(f"teacher pass over {n} x {s} tokens, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms; {n} logits "
+          f"forwards {floor:.2f} s")
     for codec in args.codecs.split(","):
         mode = "sampled" if codec == SAMPLED_COUNTS_V1 else "topk"
 
@@ -165,15 +171,17 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
                     ids, lps = vocab_parallel_sample(hidden, weight, args.topk, row_keys=keys, vocab_size=vocab)
                 w.write(int(i), ids[:, 0], lps[:, 0])
 
-        def behind(w):
-            capture_teacher(teacher, dataset, w, CaptureConfig(topk=args.topk, mode=mode, store_workers=workers),
-                            progress=False)
+        def behind(workers):
+            return lambda w: capture_teacher(teacher, dataset, w, progress=False,
+                                             cfg=CaptureConfig(topk=args.topk, mode=mode, store_workers=workers))
 
         with tempfile.TemporaryDirectory() as tmp:  # warm-up
             warm = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
             inline(warm)
             warm.close()
-        for name, run in (("stores inline", inline), (f"stores behind, {workers} workers", behind)):
+        runs = [] if args.no_inline else [("stores inline", inline)]
+        runs += [(f"stores behind, {workers} workers", behind(workers)) for workers in counts]
+        for name, run in runs:
             with tempfile.TemporaryDirectory() as tmp:
                 w = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
                 sync()
