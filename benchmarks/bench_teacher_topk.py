@@ -52,8 +52,9 @@ def main():
     p.add_argument("--workers", default=None, metavar="W1,W2,...",
                    help="store workers of --pass-samples, one pass each (default: write_behind.default_workers())")
     p.add_argument("--no-inline", action="store_true", help="--pass-samples without the inline pass")
-    p.add_argument("--switch-interval", type=float, default=None,
-                   help="the interpreter's GIL switch interval (s) during --pass-samples (Python's: 0.005)")
+    p.add_argument("--switch-intervals", default=None, metavar="S1,S2,...",
+                   help="the interpreter's GIL switch interval (s) of each --pass-samples pass behind (default: "
+                        "the process's, Python's 0.005)")
     p.add_argument("--store-rate", default=None, metavar="W1,W2,...",
                    help="CPU only: the store rate of synthetic rows with each number of workers, then exit")
     p.add_argument("--store-samples", type=int, default=32, help="samples per --store-rate measurement")
@@ -146,8 +147,7 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
 
     n, s = args.pass_samples, args.seq_length
     counts = [int(w) for w in args.workers.split(",")] if args.workers else [default_workers()]
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval)
+    intervals = [float(v) for v in args.switch_intervals.split(",")] if args.switch_intervals else [None]
     gen = torch.Generator().manual_seed(0)
     dataset = [{"tokens": torch.randint(0, vocab, (s,), generator=gen), "position_ids": torch.arange(s)}
                for _ in range(n)]
@@ -155,8 +155,7 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     floor = n * logits_forward_ms / 1e3
-    print(f"teacher pass over {n} x {s} tokens, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms; {n} logits "
-          f"forwards {floor:.2f} s")
+    print(f"teacher pass over {n} x {s} tokens; {n} logits forwards {floor:.2f} s")
     for codec in args.codecs.split(","):
         mode = "sampled" if codec == SAMPLED_COUNTS_V1 else "topk"
 
@@ -171,16 +170,24 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
                     ids, lps = vocab_parallel_sample(hidden, weight, args.topk, row_keys=keys, vocab_size=vocab)
                 w.write(int(i), ids[:, 0], lps[:, 0])
 
-        def behind(workers):
-            return lambda w: capture_teacher(teacher, dataset, w, progress=False,
-                                             cfg=CaptureConfig(topk=args.topk, mode=mode, store_workers=workers))
+        def behind(workers, interval):
+            def run(w):
+                default = sys.getswitchinterval()
+                sys.setswitchinterval(interval or default)
+                try:
+                    cfg = CaptureConfig(topk=args.topk, mode=mode, store_workers=workers)
+                    capture_teacher(teacher, dataset, w, cfg, progress=False)
+                finally:
+                    sys.setswitchinterval(default)
+            return run
 
         with tempfile.TemporaryDirectory() as tmp:  # warm-up
             warm = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
             inline(warm)
             warm.close()
         runs = [] if args.no_inline else [("stores inline", inline)]
-        runs += [(f"stores behind, {workers} workers", behind(workers)) for workers in counts]
+        runs += [(f"stores behind, {workers} workers" + (f", switch {interval * 1e3:g} ms" if interval else ""),
+                  behind(workers, interval)) for interval in intervals for workers in counts]
         for name, run in runs:
             with tempfile.TemporaryDirectory() as tmp:
                 w = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
@@ -190,7 +197,7 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
                 w.close()
                 sync()
                 took = time.perf_counter() - start
-            print(f"  {codec:17} {name:26} {took:7.2f} s  {n * s / took:10,.0f} tokens/s  overhead over a logits "
+            print(f"  {codec:17} {name:40} {took:7.2f} s  {n * s / took:10,.0f} tokens/s  overhead over a logits "
                   f"forward {100 * (took / floor - 1):5.1f}%")
 
 
