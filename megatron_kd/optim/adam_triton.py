@@ -60,18 +60,25 @@ def _requantize(values, codes_ptr, scales_ptr, qmap_ptr, block_ids, offs, num_bl
     tl.store(scales_ptr + block_ids, scale, mask=block_ids < num_blocks)
 
 
-# the rounding stream's words and offset change every step: no recompiles for their values
-@triton.jit(do_not_specialize=["key1", "key2", "offset"])
+@triton.jit
+def _uint32(halves_hi, halves_lo):
+    return (halves_hi.to(tl.uint32) << 16) | halves_lo.to(tl.uint32)
+
+
+# The rounding stream's words and the tensor's offset in it change with every step and tensor. Triton
+# compiles a kernel per argument type (int32 below 2^31, int64 above) and per divisibility of an
+# integer: they come as 16-bit halves, never specialized, so one compiled kernel serves every call.
+@triton.jit(do_not_specialize=["key1_hi", "key1_lo", "key2_hi", "key2_lo", "offset_hi", "offset_lo"])
 def bf16_adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qmap_signed_ptr, qmap_unsigned_ptr,
-                     scalars_ptr, n, num_blocks, key1, key2, offset, tiny,
+                     scalars_ptr, n, num_blocks, key1_hi, key1_lo, key2_hi, key2_lo, offset_hi, offset_lo, tiny,
                      QUANTIZED: tl.constexpr, ADAM_W: tl.constexpr, STOCHASTIC: tl.constexpr,
                      BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
     """One Adam(W) step of elements [pid·BLOCKS·BLOCK, ...) of a flat tensor of ``n`` elements.
 
     QUANTIZED: m_ptr / v_ptr are the packed moments' codes (uint8, ``num_blocks``·BLOCK of them, the
     last block's padding included) with their scales; else fp32 moments of n elements. ``scalars_ptr``:
-    ``adam.step_scalars`` as fp32 on the device. ``key1``, ``key2``, ``offset``: the rounding stream
-    and this tensor's first element in it (STOCHASTIC only)."""
+    ``adam.step_scalars`` as fp32 on the device. ``key1``, ``key2``, ``offset`` (each as 16-bit
+    halves): the rounding stream and this tensor's first element in it (STOCHASTIC only)."""
     pid = tl.program_id(0).to(tl.int64)
     block_ids = pid * BLOCKS + tl.arange(0, BLOCKS)
     offs = block_ids[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -115,8 +122,9 @@ def bf16_adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qma
     v = tl.where(valid, v, 0.0)
 
     if STOCHASTIC:  # rounding.stochastic_round_bf16 with rounding.random_bits16's bits
-        index = (offs + offset).to(tl.uint32)  # offset + n <= 2^32 (Bf16Adam checks the tensor size)
-        h = _mix32(_mix32(index + key1.to(tl.uint32)) ^ key2.to(tl.uint32))
+        # offset + n <= 2^32 (Bf16Adam checks the tensor size): the element's index wraps nowhere
+        index = offs.to(tl.uint32) + _uint32(offset_hi, offset_lo)
+        h = _mix32(_mix32(index + _uint32(key1_hi, key1_lo)) ^ _uint32(key2_hi, key2_lo))
         bits16 = (h >> 16).to(tl.int32)
         bits = p32.to(tl.int32, bitcast=True)
         finite = (bits & 0x7F800000) != 0x7F800000
@@ -148,10 +156,11 @@ def triton_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     else:
         m, v, m_scales, v_scales = exp_avg, exp_avg_sq, exp_avg, exp_avg_sq  # scales unused
         num_blocks = -(-n // quantize.BLOCK)
-    key1, key2 = key if key is not None else (0, 0)
+    words = (*(key if key is not None else (0, 0)), offset)
+    halves = [half for word in words for half in (word >> 16, word & 0xFFFF)]
     grid = (triton.cdiv(num_blocks, BLOCKS),)
     bf16_adam_kernel[grid](
-        param, grad, m, v, m_scales, v_scales, *qmaps, scalars, n, num_blocks, key1, key2, offset,
+        param, grad, m, v, m_scales, v_scales, *qmaps, scalars, n, num_blocks, *halves,
         quantize.ZERO_BLOCK_SCALE, QUANTIZED=quantized, ADAM_W=adam_w_mode, STOCHASTIC=key is not None,
         BLOCKS=BLOCKS, BLOCK=quantize.BLOCK, num_warps=4,
     )

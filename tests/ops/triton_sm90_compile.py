@@ -100,7 +100,8 @@ def main():
             bf16_adam_kernel,
             {"p_ptr": param, "g_ptr": "*bf16", "m_ptr": moment, "v_ptr": moment, "m_scales_ptr": "*fp32",
              "v_scales_ptr": "*fp32", "qmap_signed_ptr": "*fp32", "qmap_unsigned_ptr": "*fp32", "scalars_ptr": "*fp32",
-             "n": "i32", "num_blocks": "i32", "key1": "i64", "key2": "i64", "offset": "i64", "tiny": "fp32"},
+             "n": "i32", "num_blocks": "i32", **{f"{word}_{half}": "i32" for word in ("key1", "key2", "offset")
+                                                  for half in ("hi", "lo")}, "tiny": "fp32"},
             {"QUANTIZED": quantized, "ADAM_W": True, "STOCHASTIC": stochastic, "BLOCKS": BLOCKS, "BLOCK": 256},
             num_warps=4,
         )
