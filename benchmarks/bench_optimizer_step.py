@@ -79,11 +79,13 @@ def main(argv=None) -> int:
         seconds = statistics.median(times)
         rows.append(dict(size=opts.size, impl=impl, tensors=len(shapes), parameters=elements, seconds=seconds,
                          times=times, least_bytes_gb_per_s=BYTES_PER_ELEMENT * elements / seconds / 1e9))
-        print(f"{opts.size} {impl}: {len(shapes)} tensors, {elements / 1e9:.2f}B parameters, step {seconds * 1e3:.1f} ms "
-              f"(median of {len(times)}), {rows[-1]['least_bytes_gb_per_s']:.0f} GB/s of the least traffic", flush=True)
+        print(f"{opts.size} {impl}: {len(shapes)} tensors, {elements / 1e9:.2f}B parameters, "
+              f"step {seconds * 1e3:.1f} ms (median of {len(times)}), "
+              f"{rows[-1]['least_bytes_gb_per_s']:.0f} GB/s of the least traffic", flush=True)
     if opts.out:
         opts.out.mkdir(parents=True, exist_ok=True)
-        (opts.out / "results.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+        results = dict(device=torch.cuda.get_device_name(), rows=rows)
+        (opts.out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 
 
