@@ -12,7 +12,7 @@ Ties go to the lower index, so the same scores always give the same student.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +49,9 @@ class LayerCut:
     hidden: list[int] | None = None
 
 
+CHANNEL_FIELDS = ("ffn", "expert_ffn", "hidden")  # per-channel cuts: their indices go to arrays, not JSON
+
+
 @dataclass
 class KeptParts:
     """Teacher indices the student keeps: ``layers`` [L'] ascending; per kept layer (student order)
@@ -60,13 +63,27 @@ class KeptParts:
     experts: list[list[int]] | None = None
     ffn: list[list[int]] | None = None
     heads: list[list[int]] | None = None
-    scores: dict = field(default_factory=dict)
+    scores: ImportanceScores | None = None
     expert_ffn: list[list[list[int]]] | None = None
     hidden: list[int] | None = None
 
-    def to_dict(self) -> dict:
-        return {"layers": self.layers, "experts": self.experts, "ffn": self.ffn, "heads": self.heads,
-                "expert_ffn": self.expert_ffn, "hidden": self.hidden, "scores": self.scores}
+    def record(self) -> dict:
+        """What ``prune.json`` says: the kept layers, experts and heads (None: all), the channel
+        cuts made (their indices are in ``arrays``) and the calibration's size."""
+        out = {"layers": self.layers, "experts": self.experts, "heads": self.heads,
+               "channels_cut": [name for name in CHANNEL_FIELDS if getattr(self, name) is not None]}
+        if self.scores is not None:
+            out.update(group_size=self.scores.group_size, calibration_tokens=self.scores.tokens)
+        return out
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """The kept channels (``kept_ffn`` [L', F'], ``kept_expert_ffn`` [L', E', F'], ``kept_hidden``
+        [H']) and every score (``score_<field>``): ``prune_scores.npz``."""
+        out = {f"kept_{name}": torch.tensor(getattr(self, name)) for name in CHANNEL_FIELDS
+               if getattr(self, name) is not None}
+        if self.scores is not None:
+            out.update({f"score_{name}": t for name, t in self.scores.tensors().items()})
+        return out
 
     def entries(self, state: dict, layer: re.Pattern):
         """The teacher's ``state`` entries the student keeps, as (student layer, the name's rest, value,
@@ -168,7 +185,7 @@ def choose_kept(scores: ImportanceScores, targets: PruneTargets, *, num_layers: 
     if targets.num_layers is not None and targets.num_layers != num_layers:
         groups = top_indices(scores.layer_groups, targets.num_layers // g)
         layers = [grp * g + j for grp in groups for j in range(g)]
-    kept = KeptParts(layers=layers, scores=scores.to_dict())
+    kept = KeptParts(layers=layers, scores=scores)
     for target, teacher, seen, name in ((targets.num_experts, num_experts, scores.experts, "--prune-num-experts"),
                                         (targets.ffn_hidden_size, ffn_hidden_size, scores.ffn,
                                          "--prune-ffn-hidden-size"),

@@ -29,7 +29,8 @@ loses ``quantization_config``; ``prune.json`` says so (``mxfp4_dequantized``).
 config.json gets the student's ``num_hidden_layers``, ``layer_types``, ``num_local_experts``,
 ``intermediate_size`` (dense or experts' width), ``num_attention_heads``, ``hidden_size`` and
 ``head_dim`` (explicit where heads or hidden are cut: the heads keep their width); the tokenizer
-and generation files are copied; ``prune.json`` records the scores and the kept indices.
+and generation files are copied; ``prune.json`` records the kept layers, experts and heads, and
+``prune_scores.npz`` the kept channels and every score.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatron_kd.prune.cuts import KeptParts, LayerCut, PruneError
+
+PRUNE_ARRAYS = "prune_scores.npz"
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # files of a Hugging Face directory that are not weights and describe the same model after the cuts
@@ -234,8 +238,10 @@ def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptPart
     for f in teacher_dir.iterdir():
         if f.is_file() and f.name.startswith(_COPIED):
             shutil.copy(f, out_dir / f.name)
-    record = {"teacher": str(teacher_dir), **kept.to_dict()}
+    record = {"teacher": str(teacher_dir), **kept.record(), "arrays": PRUNE_ARRAYS}
     if dequantized:  # the widths cut MXFP4's blocks of 32 inputs: these experts are no longer the release's bytes
         record["mxfp4_dequantized"] = "experts written dense in bf16 (MXFP4 blocks run along the cut inputs)"
     (out_dir / "prune.json").write_text(json.dumps(record, indent=1))
+    # numpy's archive, not *.safetensors: nothing that globs a directory's weight files picks it up
+    np.savez_compressed(out_dir / PRUNE_ARRAYS, **{k: t.numpy() for k, t in kept.arrays().items()})
     return out_dir

@@ -46,6 +46,9 @@ import torch
 import torch.distributed as dist
 
 
+SCORE_FIELDS = ("layer_groups", "experts", "ffn", "heads", "expert_ffn", "hidden")
+
+
 @dataclass
 class ImportanceScores:
     """Scores of the teacher's parts, larger = more important (fp64 on the CPU)."""
@@ -59,16 +62,10 @@ class ImportanceScores:
     expert_ffn: torch.Tensor | None = None  # [L, E, moe FFN] experts' channel L2 norms, or None without experts
     hidden: torch.Tensor | None = None  # [hidden] norms' channel L2 norms summed over the norms, or None
 
-    def to_dict(self) -> dict:
-        out = {"group_size": self.group_size, "tokens": self.tokens, "layer_groups": self.layer_groups.tolist()}
-        if self.experts is not None:
-            out["experts"] = self.experts.tolist()
-        if self.ffn is not None:
-            out["ffn"] = self.ffn.tolist()
-        for name in ("heads", "expert_ffn", "hidden"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name).tolist()
-        return out
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every score held, by field name (GPT-OSS-120B's experts' channels alone are 36 × 128 × 2,880
+        numbers: written as arrays, not JSON)."""
+        return {name: getattr(self, name) for name in SCORE_FIELDS if getattr(self, name) is not None}
 
 
 def block_influence(h_in: torch.Tensor, h_out: torch.Tensor) -> tuple[float, int]:

@@ -32,6 +32,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -243,10 +244,11 @@ def test_expert_channel_and_hidden_scores_by_hand():
     assert kept.hidden == [1]
     kept = choose_kept(scores, PruneTargets(num_experts=2, moe_ffn_hidden_size=1), **sizes)
     assert kept.experts == [[0, 1]] * 2 and kept.expert_ffn == [[[1], [2]]] * 2  # per kept expert, in its order
-    assert choose_kept(scores, PruneTargets(moe_ffn_hidden_size=3, hidden_size=2), **sizes).to_dict() == {
-        "layers": [0, 1], "experts": None, "ffn": None, "heads": None, "expert_ffn": None, "hidden": None,
-        "scores": scores.to_dict()}  # the teacher's sizes: nothing cut
-    assert scores.to_dict()["expert_ffn"] == [per_expert.tolist()] * 2
+    uncut = choose_kept(scores, PruneTargets(moe_ffn_hidden_size=3, hidden_size=2), **sizes)  # the teacher's sizes
+    assert uncut.record() == {"layers": [0, 1], "experts": None, "heads": None, "channels_cut": [],
+                              "group_size": 1, "calibration_tokens": scores.tokens}
+    assert uncut.arrays().keys() == {f"score_{name}" for name in ("layer_groups", "experts", "expert_ffn", "hidden")}
+    assert torch.equal(uncut.arrays()["score_expert_ffn"], scores.expert_ffn)
 
 
 # ---------------------------------------------------------------------------------- 2., 3. cuts
@@ -271,6 +273,12 @@ def test_cuts_that_keep_everything_give_back_the_teacher(tmp_path, seed):
         assert_same_tensors(teacher, student)
         assert json.loads((student / "config.json").read_text()) == json.loads((teacher / "config.json").read_text())
         assert (student / "tokenizer.json").is_file() and (student / "prune.json").is_file()
+        record = json.loads((student / "prune.json").read_text())
+        arrays = np.load(student / record["arrays"])
+        assert record["layers"] == [0, 1] and record["channels_cut"] == ([] if name == "experts" else
+                                                                         ["expert_ffn", "hidden"])
+        if name == "widths":  # the kept channels as arrays beside prune.json
+            assert arrays["kept_expert_ffn"].tolist() == every_channel and arrays["kept_hidden"].tolist() == list(range(64))
 
 
 def test_pruned_experts_are_the_teacher_with_them_routed_away(tmp_path, seed):
