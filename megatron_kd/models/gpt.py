@@ -1,9 +1,10 @@
 """GPT models for teachers and students: megatron-core's GPTModel with the right layer spec.
 
 With Transformer Engine importable the TE layer spec is used (what Megatron-LM recipes train with);
-without it, megatron-core's local spec with our ``CoreAttention`` (``attention.py``: flex / cuDNN
-attention with sliding windows and sinks) and ``GroupedGemmExperts`` (``experts.py``), so long
-contexts, GPT-OSS and CPU runs work without TE.
+without it, megatron-core's local spec with our ``CoreAttention`` (``attention.py``: FlashAttention-4 /
+flex / cuDNN attention with sliding windows and sinks), ``GroupedGemmExperts`` (``experts.py``) and
+RoPE / YaRN in one kernel per direction (``rope.py``), so long contexts, GPT-OSS and CPU runs work
+without TE.
 
 ``gpt_model_from_args`` is what ``megatron-kd train``, ``cache build`` and ``export-hf`` build:
 the model Megatron-LM's ``pretrain_gpt`` builds from the same flags (rotary / YaRN settings
@@ -83,8 +84,10 @@ def build_gpt_model(config: TransformerConfig, *, vocab_size: int, max_sequence_
     )
     if not use_te:  # the local spec rotates by sequence index: packed documents bring their own positions
         from megatron_kd.models.documents import install_document_positions
+        from megatron_kd.models.rope import install_fused_rope
 
         install_document_positions(model)
+        install_fused_rope()  # q and k rotated in one kernel per direction on CUDA (rope.py)
     return model
 
 

@@ -14,4 +14,5 @@ def test_kernels_compile_for_hopper():
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = [line.split(":")[0] for line in proc.stdout.splitlines()]
     assert compiled == ["topk_candidates_kernel", *["exp_stats_kernel"] * 2, *["grad_fixup_kernel"] * 4,
-                        *["row_terms_kernel"] * 4, "scale_rows_kernel", *["bf16_adam_kernel"] * 2], proc.stdout
+                        *["row_terms_kernel"] * 4, "scale_rows_kernel", *["bf16_adam_kernel"] * 2,
+                        *["_rope_kernel"] * 2], proc.stdout

@@ -21,6 +21,7 @@ from megatron_kd.ops.topk_kl_triton import (
     scale_rows_kernel,
 )
 from megatron_kd.ops.topk_triton import topk_candidates_kernel
+from megatron_kd.models.rope import _rope_kernel
 from megatron_kd.optim.adam_triton import BLOCKS, bf16_adam_kernel
 
 GPT_OSS_VOCAB = 201_088
@@ -104,6 +105,16 @@ def main():
                                                   for half in ("hi", "lo")}, "tiny": "fp32"},
             {"QUANTIZED": quantized, "ADAM_W": True, "STOCHASTIC": stochastic, "BLOCKS": BLOCKS, "BLOCK": 256},
             num_warps=4,
+        )
+
+    # RoPE / YaRN of GPT-OSS's heads (d 64) in bf16, both directions
+    for backward in (False, True):
+        compile_sm90(
+            _rope_kernel,
+            {"t_ptr": "*bf16", "f_ptr": "*fp32", "out_ptr": "*bf16", "batch": "i32", "heads": "i32",
+             "t_stride_s": "i32", "t_stride_b": "i32", "t_stride_h": "i32", "f_stride_s": "i32", "f_stride_b": "i32",
+             "mscale": "fp32"},
+            {"HALF": 32, "BACKWARD": backward, "BLOCK_H": 64}, num_warps=4,
         )
 
 
