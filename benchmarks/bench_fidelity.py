@@ -349,9 +349,9 @@ def _bpe_tokenizer_class():
     return BPETokenizer
 
 
-def train_bpe(docs: list[str], vocab_size: int, max_bytes: int):
-    """A byte-level BPE of ``vocab_size`` entries (end-of-document and pad first) trained on the
-    first ``max_bytes`` of ``docs``."""
+def train_bpe(docs: list[str], vocab_size: int, max_bytes: int, special_tokens: tuple[str, ...] = ()):
+    """A byte-level BPE of ``vocab_size`` entries (end-of-document and pad first, then
+    ``special_tokens``, each one id never merged) trained on the first ``max_bytes`` of ``docs``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     sample, size = [], 0
@@ -363,8 +363,8 @@ def train_bpe(docs: list[str], vocab_size: int, max_bytes: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD, PAD], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOD, PAD, *special_tokens],
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(sample, trainer, length=len(sample))
     return _bpe_tokenizer_class()(tok)
 
@@ -577,7 +577,7 @@ class Bench:
     # -- data -----------------------------------------------------------------------------------
 
     def build_data(self):
-        from megatron_kd.megatron.data import build_gpt_datasets, write_indexed_dataset
+        from megatron_kd.megatron.data import write_indexed_dataset
 
         p, t = self.p, time.perf_counter()
         train_docs, heldout_docs = read_corpus(p.corpus_bytes, p.heldout_percent, p.max_file_bytes)
@@ -605,21 +605,24 @@ class Bench:
                  f"{corpus['train_tokens']:,} tokens), {corpus['heldout_documents']:,} held out "
                  f"({corpus['heldout_tokens']:,} tokens); BPE vocabulary {self.vocab:,}")
 
-        # each split is its own indexed dataset, read whole ("100,0,0") by megatron-core's GPTDataset
-        def dataset(split: str, samples: int):
-            return build_gpt_datasets([prefixes[split]], split="100,0,0", seq_length=p.seq_length, seed=p.seed,
-                                      tokenizer=self.tok, num_samples=(samples, 0, 0),
-                                      cache_dir=str(self.work / "data" / "index-cache"))[0]
-
-        self.teacher_ds = dataset("train", p.teacher_steps * p.teacher_micro_batch_size)
-        self.student_ds = dataset("train", p.student_steps * p.micro_batch_size)
+        self.teacher_ds = self.gpt_dataset(prefixes["train"], p.teacher_steps * p.teacher_micro_batch_size)
+        self.student_ds = self.gpt_dataset(prefixes["train"], p.student_steps * p.micro_batch_size)
         # every held-out window once: no more samples than the split holds
         eval_samples = min(p.eval_samples, (corpus["heldout_tokens"] - 1) // p.seq_length)
-        self.heldout_ds = dataset("heldout", eval_samples)
+        self.heldout_ds = self.gpt_dataset(prefixes["heldout"], eval_samples)
         self.results["corpus"]["heldout_samples"] = eval_samples
         if "document_eval" in self.results:
             self.heldout_rows = self._document_rows(heldout_docs, eval_samples * p.seq_length)
         self.stage("corpus, tokenizer, datasets", time.perf_counter() - t)
+
+    def gpt_dataset(self, prefix, samples: int):
+        """``samples`` samples of the indexed dataset at ``prefix``, read whole ("100,0,0") by
+        megatron-core's GPTDataset (in ``LossMaskedDataset`` when the prefix has a chat loss mask)."""
+        from megatron_kd.megatron.data import build_gpt_datasets
+
+        return build_gpt_datasets([prefix], split="100,0,0", seq_length=self.p.seq_length, seed=self.p.seed,
+                                  tokenizer=self.tok, num_samples=(samples, 0, 0),
+                                  cache_dir=str(self.work / "data" / "index-cache"))[0]
 
     def _document_rows(self, docs: list[str], budget: int) -> list[dict]:
         """``document_windows`` of the first whole held-out documents holding ``budget`` predictions."""
@@ -712,31 +715,39 @@ class Bench:
 
     # -- caches -----------------------------------------------------------------------------------
 
-    def build_cache(self, path: Path, mode: str, k: int, samples: int) -> dict:
-        """One teacher pass over the student's first ``samples`` samples into a cache of its own."""
+    def build_cache(self, path: Path, mode: str, k: int, samples: int, dataset=None) -> dict:
+        """One teacher pass over the first ``samples`` samples of ``dataset`` (default: the student's)
+        into a cache of its own; with a chat loss mask, entries only where it keeps the loss, as
+        ``cache build`` writes them."""
         from megatron_kd.cache import CacheWriter
         from megatron_kd.cache.inspect import store_bytes
         from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
+        from megatron_kd.megatron.loss_mask import loss_mask_field
         from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
+
+        dataset = self.student_ds if dataset is None else dataset
+        loss_mask = loss_mask_field(dataset)
 
         teacher = MegatronTeacher(Autocast(self.teacher, self.dtype), vocab_size=self.vocab,
                                   fingerprint=f"bench-fidelity-teacher-{self.results['teacher']['parameters']}",
                                   packing=self.packing)
         meta = {"mode": mode, "sampled_draws": k if mode == "sampled" else 0, "packing": self.packing.mode,
                 "teacher_fingerprint": teacher.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(self.tok),
-                "dataset_fingerprint": dataset_fingerprint(self.student_ds)}
+                "dataset_fingerprint": dataset_fingerprint(dataset), **({"loss_mask": loss_mask} if loss_mask else {})}
         shutil.rmtree(path, ignore_errors=True)
         t = time.perf_counter()
         with CacheWriter(path, vocab_size=self.vocab, topk=k, seq_length=self.p.seq_length, num_samples=samples,
                          micro_batch_size=self.p.micro_batch_size, metadata=meta) as writer:
-            summary = capture_teacher(teacher, self.student_ds, writer,
+            summary = capture_teacher(teacher, dataset, writer,
                                       CaptureConfig(topk=k, mode=mode, micro_batch_size=self.p.micro_batch_size,
-                                                    seed=self.p.seed),
+                                                    seed=self.p.seed, masked=bool(loss_mask)),
                                       device=self.device, progress=False)
         tokens, size = samples * self.p.seq_length, store_bytes(path)
         packed = {} if self.packing.mode == "none" else {"packing": self.packing.mode}
-        return {"mode": mode, "k": k, **packed, "samples": samples, "tokens": tokens, "bytes": size,
-                "bytes_per_token": size / tokens, "mean_teacher_mass": summary["mean_teacher_mass"],
+        masked = {"loss_mask": loss_mask["mask"]} if loss_mask else {}
+        return {"mode": mode, "k": k, **packed, **masked, "samples": samples, "tokens": tokens,
+                "tokens_with_entries": summary["tokens"], "bytes": size, "bytes_per_token": size / tokens,
+                "mean_teacher_mass": summary["mean_teacher_mass"],
                 "seconds": round(time.perf_counter() - t, 2)}
 
     def choose_draws(self) -> int:
@@ -776,7 +787,8 @@ class Bench:
             if v.cache in self.results["caches"] and _complete_cache(path):  # built by a stopped run
                 self.caches[v.cache] = path
                 continue
-            info = self.build_cache(path, "topk" if v.kind == "topk" else "sampled", v.k, samples)
+            info = self.build_cache(path, "topk" if v.kind == "topk" else "sampled", v.k, samples,
+                                    self.student_data(v))
             self.caches[v.cache], self.results["caches"][v.cache] = path, info
             self.log(f"cache {v.cache}: K={v.k} ({info['mode']}), {info['bytes_per_token']:.1f} bytes/token, mean "
                      f"teacher mass {info['mean_teacher_mass']:.3f}, {info['seconds']:.0f} s")
@@ -817,6 +829,10 @@ class Bench:
 
         return offline
 
+    def student_data(self, v: Variant):
+        """The samples variant ``v`` trains on (and its cache holds): the student's."""
+        return self.student_ds
+
     def new_student(self):
         """The model every variant starts from: the student architecture, one seed for all."""
         return gpt(self.p.student, self.vocab, self.p.seq_length, self.p.seed + 1, self.device)
@@ -827,9 +843,9 @@ class Bench:
         from megatron_kd.demo import DemoConfig, train_loop
         from megatron_kd.megatron.kd_data import KDDataset
 
-        p = self.p
-        dataset = self.student_ds if v.cache is None else KDDataset(
-            self.student_ds, str(self.caches[v.cache]), tokenizer=self.tok,
+        p, data = self.p, self.student_data(v)
+        dataset = data if v.cache is None else KDDataset(
+            data, str(self.caches[v.cache]), tokenizer=self.tok,
             required_samples=p.student_steps * p.micro_batch_size, packing=self.packing.mode)
         batches = ordered_batches(dataset, p.student_steps, p.micro_batch_size, workers=p.workers, device=self.device)
         model = self.new_student()
@@ -850,7 +866,7 @@ class Bench:
         metrics = self.heldout(model, teacher=self.teacher)
         cache = self.results["caches"].get(v.cache, {})
         self.results["variants"][v.name] = {
-            **asdict(v), "heldout_ce": metrics["ce"], "heldout_kl": metrics["kl"],
+            **asdict(v), **{f"heldout_{key}": value for key, value in metrics.items()},
             "seconds_per_step": per_step, "bytes_per_token": cache.get("bytes_per_token"), "curve": curve}
         whole = ""
         if "document_eval" in self.results:
