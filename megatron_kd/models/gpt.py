@@ -2,9 +2,9 @@
 
 With Transformer Engine importable the TE layer spec is used (what Megatron-LM recipes train with);
 without it, megatron-core's local spec with our ``CoreAttention`` (``attention.py``: FlashAttention-4 /
-flex / cuDNN attention with sliding windows and sinks), ``GroupedGemmExperts`` (``experts.py``) and
-RoPE / YaRN in one kernel per direction (``rope.py``), so long contexts, GPT-OSS and CPU runs work
-without TE.
+flex / cuDNN attention with sliding windows and sinks), ``GroupedGemmExperts`` (``experts.py``),
+RoPE / YaRN in one kernel per direction (``rope.py``) and the MoE permutation's sums as gathers
+(``moe_permutation.py``), so long contexts, GPT-OSS and CPU runs work without TE.
 
 ``gpt_model_from_args`` is what ``megatron-kd train``, ``cache build`` and ``export-hf`` build:
 the model Megatron-LM's ``pretrain_gpt`` builds from the same flags (rotary / YaRN settings
@@ -88,6 +88,10 @@ def build_gpt_model(config: TransformerConfig, *, vocab_size: int, max_sequence_
 
         install_document_positions(model)
         install_fused_rope()  # q and k rotated in one kernel per direction on CUDA (rope.py)
+        if config.num_moe_experts:
+            from megatron_kd.models.moe_permutation import install_moe_permutation
+
+            install_moe_permutation()  # the token permutation's sums as gathers on CUDA (moe_permutation.py)
     return model
 
 

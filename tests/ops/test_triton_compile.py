@@ -15,4 +15,4 @@ def test_kernels_compile_for_hopper():
     compiled = [line.split(":")[0] for line in proc.stdout.splitlines()]
     assert compiled == ["topk_candidates_kernel", *["exp_stats_kernel"] * 2, *["grad_fixup_kernel"] * 4,
                         *["row_terms_kernel"] * 4, "scale_rows_kernel", *["bf16_adam_kernel"] * 2,
-                        *["_rope_kernel"] * 2], proc.stdout
+                        *["_rope_kernel"] * 2, "_gather_sum_kernel"], proc.stdout

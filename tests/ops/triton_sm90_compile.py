@@ -21,6 +21,7 @@ from megatron_kd.ops.topk_kl_triton import (
     scale_rows_kernel,
 )
 from megatron_kd.ops.topk_triton import topk_candidates_kernel
+from megatron_kd.models.moe_permutation import BLOCK_H, _gather_sum_kernel
 from megatron_kd.models.rope import _rope_kernel
 from megatron_kd.optim.adam_triton import BLOCKS, bf16_adam_kernel
 
@@ -116,6 +117,11 @@ def main():
              "mscale": "fp32"},
             {"HALF": 32, "BACKWARD": backward, "BLOCK_H": 64}, num_warps=4,
         )
+
+    # the MoE combine's row sums (GPT-OSS width, bf16)
+    compile_sm90(_gather_sum_kernel,
+                 {"rows_ptr": "*bf16", "order_ptr": "*i64", "offsets_ptr": "*i64", "out_ptr": "*bf16", "hidden": "i32"},
+                 {"BLOCK": BLOCK_H}, num_warps=4)
 
 
 if __name__ == "__main__":
