@@ -1,6 +1,6 @@
 """Answer-only chat distillation against full-sequence distillation, on the same conversations.
 
-    python benchmarks/bench_chat.py --size cpu --out /tmp/chat          # 2 CPU cores: ~4 minutes
+    python benchmarks/bench_chat.py --size cpu --out /tmp/chat          # 2 CPU cores: 4-6 minutes
     python benchmarks/bench_chat.py --size cpu --variant top100-renorm --set student_steps=120
 
 Conversations, made at run time from the installed Python's standard library (its .py sources
@@ -295,9 +295,10 @@ class ChatBench(Bench):
 
         self.student_ds = self.gpt_dataset(data / "train", p.student_steps * p.micro_batch_size)  # masked
         self.teacher_ds = self.gpt_dataset(data / "train", p.teacher_steps * p.teacher_micro_batch_size).base
+        # megatron-core builds whole epochs: under one epoch asked, every window of the split once
         eval_samples = min(p.eval_samples, (corpus["heldout_tokens"] - 1) // p.seq_length)
         self.heldout_ds = self.gpt_dataset(data / "heldout", eval_samples)
-        corpus["heldout_samples"] = eval_samples
+        corpus["heldout_samples"] = len(self.heldout_ds)
         self.stage("corpus, tokenizer, datasets", time.perf_counter() - t)
 
     def heldout(self, model, teacher=None) -> dict:

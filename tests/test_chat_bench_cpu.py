@@ -56,6 +56,8 @@ def test_answer_only_and_full_sequence_students(tmp_path):
     ratio = results["masked_entry_bytes_ratio"]
     assert 0.8 < ratio / fraction < 1.25 and ratio < results["masked_bytes_ratio"], (ratio, fraction)
     assert answers["bytes_per_answer_token"] < full["bytes_per_answer_token"]
+    corpus = results["corpus"]  # held out: every window of the split once
+    assert corpus["heldout_samples"] == (corpus["heldout_tokens"] - 1) // results["preset"]["seq_length"]
     start = results["start"]
     assert METRICS <= set(start) and {"heldout_ce", "heldout_sequence_ce"} <= set(results["teacher"])
     students = results["variants"]
