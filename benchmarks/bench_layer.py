@@ -3,6 +3,8 @@
     python benchmarks/bench_layer.py --out runs/layer                       # H200, < 2 min
     python benchmarks/bench_layer.py --out runs/layer --extra "--recompute-granularity selective \\
         --recompute-modules moe_act --moe-grouped-gemm"                     # with a recompute option
+    python benchmarks/bench_layer.py --out runs/layer-mcore --megatron-ops rope,permutation   # megatron-core's RoPE
+                                                                            # and token permutation instead
     python benchmarks/bench_layer.py --tiny --out /tmp/layer                # CPU smoke run (CI)
 
 The model is examples/gpt_oss's 20B recipe at its real width (``bench_gptoss.model_flags``) with two
@@ -62,6 +64,9 @@ def parse(argv=None):
                    help="core attention's impl (models/attention.py ATTENTION_IMPLS): one for both layers, or "
                         "per kind of layer as window:IMPL,full:IMPL (e.g. window:flex,full:cudnn)")
     p.add_argument("--extra", default="", help="more Megatron-LM flags (e.g. recompute options), one string")
+    p.add_argument("--megatron-ops", default="", metavar="rope,permutation",
+                   help="run megatron-core's own functions instead of megatron_kd's kernels for these (the kernels' "
+                        "win is the difference of the two rows)")
     p.add_argument("--trace", action="store_true", help="also write a Chrome trace of one step")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
     p.add_argument("--out", type=Path, required=True, help="output directory")
@@ -200,6 +205,21 @@ def profile(fn, cuda: bool, out: Path, name: str, trace: bool) -> list[dict]:
     return top_ops(prof, cuda)
 
 
+def use_megatron_ops(names: str) -> None:
+    """Point megatron-core's callers back at its own functions (``build_gpt_model`` installed ours)."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    for name in filter(None, names.split(",")):
+        if name == "rope":
+            attention.apply_rotary_pos_emb = rope_utils.apply_rotary_pos_emb
+        elif name == "permutation":
+            token_dispatcher.permute, token_dispatcher.unpermute = moe_utils.permute, moe_utils.unpermute
+        else:
+            raise SystemExit(f"--megatron-ops {names!r}: {name!r} is not one of rope, permutation")
+
+
 def attention_impls(spec: str) -> dict[str, str]:
     """``--attention``'s value -> {"window": impl, "full": impl}."""
     if ":" not in spec:
@@ -242,6 +262,7 @@ def run(opts, device):
     if cuda:
         model_parallel_cuda_manual_seed(1234)
     module = model_provider().to(device)
+    use_megatron_ops(opts.megatron_ops)
     config = module.config
     impls = attention_impls(opts.attention)
     for layer in module.decoder.layers:
@@ -271,7 +292,8 @@ def run(opts, device):
     results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "seq": opts.seq,
                "experts": args.num_experts, "topk": args.moe_router_topk, "hidden": h,
                "moe_act_recompute": recomputes_moe_act(config), "recompute_granularity": config.recompute_granularity,
-               "attention": opts.attention, "extra": opts.extra, "step_ms": median_ms(step, opts.reps, cuda)}
+               "attention": opts.attention, "megatron_ops": opts.megatron_ops, "extra": opts.extra,
+               "step_ms": median_ms(step, opts.reps, cuda)}
     if cuda:
         results["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / GIB
     results["forward_ms"] = median_ms(lambda: forward(), opts.reps, cuda)

@@ -336,11 +336,13 @@ def main(argv: list[str] | None = None, step=None) -> None:
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron_kd.optim import multi_tensor
     from megatron_kd.optim.megatron import install
 
     args = parse_megatron_args(argv)
     require_cuda("train")  # before Megatron's initialization asserts it
     install(args.kd_optimizer, seed=args.seed)  # the optimizer megatron-core's construction builds
+    multi_tensor.install()  # the gradient norm and clip without TE / Apex: foreach kernels, no host syncs
     if args.kd_fused_adam:
         from megatron_kd.megatron.optimizer import use_fused_torch_adamw
 
