@@ -6,6 +6,9 @@ GPUS=${GPUS:-$("$PY" -c 'import torch; print(max(torch.cuda.device_count(), 1))'
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 # asynchronous NCCL errors end the job instead of hanging it
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+# the caching allocator grows mapped segments instead of keeping fixed ones: less memory stranded
+# between blocks of other sizes, so NCCL's own allocations still find room near the peak
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 # what torchrun sets when it is unset, without its banner saying so
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # torch.compile's and Triton's caches (the compiled attention, activation and optimizer kernels)

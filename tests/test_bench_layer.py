@@ -1,7 +1,8 @@
 """benchmarks/bench_layer.py runs end to end on CPU at a toy shape (its numbers are for the GPU), here
 with the experts' activation recomputed (``--recompute-modules moe_act``, as the 20B layouts under
-test use) and megatron-core's own RoPE and token permutation (``--megatron-ops``). Megatron-LM's validation asks the GPU's compute capability for ``--moe-grouped-gemm``:
-the test answers Hopper's, as the test harness does for its other GPU queries."""
+test use) and megatron-core's own RoPE and token permutation (``--megatron-ops``). Megatron-LM's
+validation asks the GPU's compute capability for ``--moe-grouped-gemm``: the test answers Hopper's,
+as the test harness does for its other GPU queries."""
 
 import json
 import subprocess

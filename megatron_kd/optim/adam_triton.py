@@ -83,10 +83,13 @@ def _uint32(halves_hi, halves_lo):
 
 # The rounding stream's words and the tensor's offset in it change with every step and tensor. Triton
 # compiles a kernel per argument type (int32 below 2^31, int64 above) and per divisibility of an
-# integer: they come as 16-bit halves, never specialized, so one compiled kernel serves every call.
-@triton.jit(do_not_specialize=["key1_hi", "key1_lo", "key2_hi", "key2_lo", "offset_hi", "offset_lo"])
+# integer: they come as 16-bit halves, never specialized, and neither are the sizes (which only
+# bound masks), so one compiled kernel serves every tensor of a kind.
+@triton.jit(do_not_specialize=["n", "num_blocks", "key1_hi", "key1_lo", "key2_hi", "key2_lo", "offset_hi",
+                               "offset_lo"])
 def bf16_adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qmap_signed_ptr, qmap_unsigned_ptr,
-                     buckets_signed_ptr, buckets_unsigned_ptr, scalars_ptr, n, num_blocks, key1_hi, key1_lo, key2_hi, key2_lo, offset_hi, offset_lo, tiny,
+                     buckets_signed_ptr, buckets_unsigned_ptr, scalars_ptr, n, num_blocks, key1_hi, key1_lo,
+                     key2_hi, key2_lo, offset_hi, offset_lo, tiny,
                      QUANTIZED: tl.constexpr, ADAM_W: tl.constexpr, STOCHASTIC: tl.constexpr,
                      BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
     """One Adam(W) step of elements [pid·BLOCKS·BLOCK, ...) of a flat tensor of ``n`` elements.
