@@ -6,17 +6,14 @@ of the rounding bits in 64-bit integers, the copies back), and launches them per
 tensor: a GPT-OSS-120B rank's 16.4B parameters in ~3,000 tensors. Here one program owns
 ``BLOCKS`` quantization blocks of 256 elements and does everything in registers: per element it
 reads the bf16 weight and gradient and the two 8-bit codes (plus a scale per block), and writes
-the weight and the codes back, 10 bytes, as a fused AdamW does for 16. The nearest code comes from
-``quantize.search_buckets``' table (four loads per value) rather than a binary search (ten, eight of
-them one after another): the search was what held the kernel to ~15% of the HBM bandwidth.
+the weight and the codes back, 10 bytes, as a fused AdamW does for 16.
 
 Same numbers as the torch path, in the same order of operations (``adam._adam_chunk``), with
 IEEE-rounded division and square root (``div_rn`` / ``sqrt_rn``; Triton's ``/`` is approximate);
 like the compiled path it contracts multiply-adds, so a value on a rounding boundary may land one
 bf16 step or one 8-bit code away from eager torch on a few elements (``tests/optim``). The
 rounding bits are ``rounding.random_bits16``'s hash in native 32-bit unsigned arithmetic (the
-torch path emulates it in int64), bit for bit the same; the bucket search gives the binary search's
-codes for every fp32 value (``tests/optim/test_bf16_adam.py``).
+torch path emulates it in int64), bit for bit the same.
 """
 
 from __future__ import annotations
@@ -40,38 +37,25 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-_SEARCH_SHIFT = tl.constexpr(quantize.SEARCH_SHIFT)
-_SEARCH_MIN_BITS = tl.constexpr(quantize.SEARCH_MIN_BITS)
-_SEARCH_ONE_BITS = tl.constexpr(quantize.SEARCH_ONE_BITS)
-_SEARCH_BUCKETS = tl.constexpr(quantize.SEARCH_BUCKETS)
+@triton.jit
+def _nearest_codes(x, qmap_ptr):
+    """``quantize.nearest_codes``: branchless binary search in the 256-entry table, then one step up
+    when x is at least halfway to the next entry."""
+    codes = tl.where(x >= tl.load(qmap_ptr + 128), 128, 0)
+    for i in tl.static_range(7):
+        codes += tl.where(x >= tl.load(qmap_ptr + codes + (64 >> i)), 64 >> i, 0)
+    up = tl.minimum(codes + 1, 255)
+    below = tl.load(qmap_ptr + codes)
+    above = tl.load(qmap_ptr + up)
+    return tl.where(x - below >= (above - below) * 0.5, up, codes)
 
 
 @triton.jit
-def _nearest_codes(x, qmap_ptr, buckets_ptr):
-    """``quantize.nearest_codes`` by bucket (``quantize.search_buckets``): the last entry <= x is the
-    bucket's or the next, then one step up when x is at least halfway to the entry after it. Four
-    table loads, one after another only once, where a binary search chains eight."""
-    bits = x.to(tl.int32, bitcast=True)
-    magnitude = tl.minimum(tl.maximum(bits & 0x7FFFFFFF, _SEARCH_MIN_BITS), _SEARCH_ONE_BITS)  # NaN: clamped
-    bucket = ((magnitude - _SEARCH_MIN_BITS) >> _SEARCH_SHIFT) + tl.where(bits < 0, _SEARCH_BUCKETS, 0)
-    first = tl.load(buckets_ptr + bucket).to(tl.int32)
-    at = tl.load(qmap_ptr + first)
-    next1 = tl.load(qmap_ptr + first + 1, mask=first < 255, other=float("inf"))
-    next2 = tl.load(qmap_ptr + first + 2, mask=first < 254, other=float("inf"))
-    after = next1 <= x
-    codes = first + after.to(tl.int32)
-    below = tl.where(after, next1, at)
-    above = tl.where(after, next2, next1)  # +inf past the last entry: code 255 stays
-    codes = tl.where(x - below >= (above - below) * 0.5, tl.minimum(codes + 1, 255), codes)
-    return tl.where(x == x, codes, 0)  # NaN: code 0, as the binary search's comparisons all fail
-
-
-@triton.jit
-def _requantize(values, codes_ptr, scales_ptr, qmap_ptr, buckets_ptr, block_ids, offs, num_blocks, tiny):
+def _requantize(values, codes_ptr, scales_ptr, qmap_ptr, block_ids, offs, num_blocks, tiny):
     """Store [BLOCKS, 256] fp32 values (zero past the tensor's end) as their blocks' absmax scales
     and nearest codes; blocks past ``num_blocks`` are not stored."""
     scale = tl.maximum(tl.max(tl.abs(values), axis=1), tiny)
-    codes = _nearest_codes(tl.math.div_rn(values, scale[:, None]), qmap_ptr, buckets_ptr)
+    codes = _nearest_codes(tl.math.div_rn(values, scale[:, None]), qmap_ptr)
     tl.store(codes_ptr + offs, codes.to(tl.uint8), mask=block_ids[:, None] < num_blocks)
     tl.store(scales_ptr + block_ids, scale, mask=block_ids < num_blocks)
 
@@ -88,8 +72,7 @@ def _uint32(halves_hi, halves_lo):
 @triton.jit(do_not_specialize=["n", "num_blocks", "key1_hi", "key1_lo", "key2_hi", "key2_lo", "offset_hi",
                                "offset_lo"])
 def bf16_adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qmap_signed_ptr, qmap_unsigned_ptr,
-                     buckets_signed_ptr, buckets_unsigned_ptr, scalars_ptr, n, num_blocks, key1_hi, key1_lo,
-                     key2_hi, key2_lo, offset_hi, offset_lo, tiny,
+                     scalars_ptr, n, num_blocks, key1_hi, key1_lo, key2_hi, key2_lo, offset_hi, offset_lo, tiny,
                      QUANTIZED: tl.constexpr, ADAM_W: tl.constexpr, STOCHASTIC: tl.constexpr,
                      BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
     """One Adam(W) step of elements [pid·BLOCKS·BLOCK, ...) of a flat tensor of ``n`` elements.
@@ -154,23 +137,11 @@ def bf16_adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qma
     tl.store(p_ptr + offs, p32.to(p_ptr.dtype.element_ty), mask=valid)
 
     if QUANTIZED:
-        _requantize(m, m_ptr, m_scales_ptr, qmap_signed_ptr, buckets_signed_ptr, block_ids, offs, num_blocks, tiny)
-        _requantize(v, v_ptr, v_scales_ptr, qmap_unsigned_ptr, buckets_unsigned_ptr, block_ids, offs, num_blocks,
-                    tiny)
+        _requantize(m, m_ptr, m_scales_ptr, qmap_signed_ptr, block_ids, offs, num_blocks, tiny)
+        _requantize(v, v_ptr, v_scales_ptr, qmap_unsigned_ptr, block_ids, offs, num_blocks, tiny)
     else:
         tl.store(m_ptr + offs, m, mask=valid)
         tl.store(v_ptr + offs, v, mask=valid)
-
-
-_BUCKETS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _buckets(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (signed, unsigned) maps' search buckets on ``device``, made once."""
-    key = str(device)
-    if key not in _BUCKETS:
-        _BUCKETS[key] = quantize.search_buckets(True, device), quantize.search_buckets(False, device)
-    return _BUCKETS[key]
 
 
 def triton_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -191,7 +162,7 @@ def triton_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     halves = [half for word in words for half in (word >> 16, word & 0xFFFF)]
     grid = (triton.cdiv(num_blocks, BLOCKS),)
     bf16_adam_kernel[grid](
-        param, grad, m, v, m_scales, v_scales, *qmaps, *_buckets(param.device), scalars, n, num_blocks, *halves,
+        param, grad, m, v, m_scales, v_scales, *qmaps, scalars, n, num_blocks, *halves,
         quantize.ZERO_BLOCK_SCALE, QUANTIZED=quantized, ADAM_W=adam_w_mode, STOCHASTIC=key is not None,
         BLOCKS=BLOCKS, BLOCK=quantize.BLOCK, num_warps=4,
     )

@@ -25,9 +25,7 @@ moments, as bitsandbytes does: they cost nothing and such parameters are the sen
 
 from __future__ import annotations
 
-import bisect
 import functools
-import struct
 
 import torch
 
@@ -81,56 +79,6 @@ def nearest_codes(normalized: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
     below, above = qmap[codes], qmap[up]
     codes = torch.where(normalized - below >= (above - below) * 0.5, up, codes)
     return codes.to(torch.uint8)
-
-
-# ---- the nearest code by bucket: the Triton kernel's search (adam_triton._nearest_codes) -------
-#
-# A binary search is eight dependent table loads per value. The kernel instead indexes a table by
-# the value's fp32 bits: the sign, and the magnitude clamped to [2^-25, 1] and cut into buckets of
-# 2^SEARCH_SHIFT units in the last place (128 per binade, SEARCH_BUCKETS per sign). A bucket holds
-# the last map entry at or below each of its values; at most one more entry lies among its values
-# (``search_buckets`` checks it), so the last entry <= x is the bucket's or the one after: one table
-# load, then three neighbouring entries in parallel. No entry of either map other than 0 lies within
-# 2^-25 of 0, so clamping the smallest magnitudes up carries no value past an entry.
-SEARCH_SHIFT = 16
-SEARCH_MIN_BITS = 0x33000000  # 2^-25 as fp32 bits
-SEARCH_ONE_BITS = 0x3F800000  # 1.0
-SEARCH_BUCKETS = ((SEARCH_ONE_BITS - SEARCH_MIN_BITS) >> SEARCH_SHIFT) + 1  # per sign: 3,201
-
-
-def _fp32(bits: int) -> float:
-    return struct.unpack("<f", struct.pack("<I", bits))[0]
-
-
-@functools.lru_cache(maxsize=None)
-def _search_bucket_codes(signed: bool) -> tuple[int, ...]:
-    entries = _dynamic_map_values(signed)  # fp32 values, exact as Python floats
-
-    def last_at_or_below(x: float) -> int:  # the binary search's answer (0 when no entry is <= x)
-        return max(bisect.bisect_right(entries, x) - 1, 0)
-
-    table = []
-    for negative in (False, True):
-        for j in range(SEARCH_BUCKETS):
-            low = 0.0 if j == 0 else _fp32(SEARCH_MIN_BITS + (j << SEARCH_SHIFT))  # bucket 0: the clamped ones too
-            high = _fp32(SEARCH_MIN_BITS + ((j + 1) << SEARCH_SHIFT))
-            if negative:  # values (-high, -low]: entries equal to -high are below all of them
-                first, inside = last_at_or_below(-high), bisect.bisect_right(entries, -low) - bisect.bisect_right(
-                    entries, -high)
-            else:  # values [low, high)
-                first, inside = last_at_or_below(low), bisect.bisect_left(entries, high) - bisect.bisect_right(
-                    entries, low)
-            if inside > 1:
-                raise AssertionError(f"search bucket {j} ({'-' if negative else '+'}[{low}, {high})) of the "
-                                     f"{'signed' if signed else 'unsigned'} map holds {inside} entries; at most 1")
-            table.append(first)
-    return tuple(table)
-
-
-def search_buckets(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The bucket table of the signed or unsigned map: uint8 [2·SEARCH_BUCKETS], positive values'
-    buckets first."""
-    return torch.tensor(_search_bucket_codes(signed), dtype=torch.uint8, device=device)
 
 
 def quantize(x: torch.Tensor, qmap: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,8 +101,7 @@ def main():
         compile_sm90(
             bf16_adam_kernel,
             {"p_ptr": param, "g_ptr": "*bf16", "m_ptr": moment, "v_ptr": moment, "m_scales_ptr": "*fp32",
-             "v_scales_ptr": "*fp32", "qmap_signed_ptr": "*fp32", "qmap_unsigned_ptr": "*fp32",
-             "buckets_signed_ptr": "*u8", "buckets_unsigned_ptr": "*u8", "scalars_ptr": "*fp32",
+             "v_scales_ptr": "*fp32", "qmap_signed_ptr": "*fp32", "qmap_unsigned_ptr": "*fp32", "scalars_ptr": "*fp32",
              "n": "i32", "num_blocks": "i32", **{f"{word}_{half}": "i32" for word in ("key1", "key2", "offset")
                                                   for half in ("hi", "lo")}, "tiny": "fp32"},
             {"QUANTIZED": quantized, "ADAM_W": True, "STOCHASTIC": stochastic, "BLOCKS": BLOCKS, "BLOCK": 256},

@@ -27,12 +27,9 @@ import os
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 
 from megatron_kd.errors import UserError
 from megatron_kd.optim import Bf16Adam, quantize
-from megatron_kd.optim.adam_triton import _nearest_codes
 from megatron_kd.optim.megatron import optimizer_memory
 from megatron_kd.optim.rounding import random_bits16, stochastic_round_bf16, stream_key
 
@@ -203,59 +200,6 @@ def test_maps_are_bitsandbytes_as_torchao_has_them():
     x = torch.rand(4096) * 2 - 1
     assert torch.equal(quantize.nearest_codes(x, quantize.dynamic_map(True)),
                        quant_utils.quantize_8bit_with_qmap(x, quantize.dynamic_map(True)))
-
-
-def search_points(signed: bool, seed: int) -> torch.Tensor:
-    """Where a search could go wrong, fp32: every map entry, every midpoint between two, every search
-    bucket's edge, each with its two fp32 neighbours, of both signs; ±0, NaN, the values past ±1;
-    and random values over eight decades."""
-    qmap = quantize.dynamic_map(signed).double()
-    edges = torch.tensor([quantize._fp32(quantize.SEARCH_MIN_BITS + (j << quantize.SEARCH_SHIFT))
-                          for j in range(quantize.SEARCH_BUCKETS + 1)], dtype=torch.float64)
-    base = torch.cat([qmap, (qmap[1:] + qmap[:-1]) / 2, edges]).float()
-    base = torch.cat([base, -base, torch.tensor([0.0, -0.0, float("nan")])])
-    gen = torch.Generator().manual_seed(seed)
-    sampled = (torch.rand(200_000, generator=gen) * 2 - 1) * 10.0 ** -torch.randint(0, 8, (200_000,), generator=gen)
-    near = torch.cat([base, torch.nextafter(base, torch.tensor(2.0)), torch.nextafter(base, torch.tensor(-2.0))])
-    return torch.cat([near, sampled.float()])
-
-
-@triton.jit
-def search_kernel(x_ptr, out_ptr, qmap_ptr, buckets_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(out_ptr + offs, _nearest_codes(x, qmap_ptr, buckets_ptr).to(tl.uint8), mask=offs < n)
-
-
-def check_bucket_search(device: str, seed: int) -> None:
-    """The Triton kernel's bucket search (``adam_triton._nearest_codes``) gives the binary search's
-    codes (``quantize.nearest_codes``, torchao's algorithm) at every point of ``search_points``."""
-    for signed in (True, False):
-        x = search_points(signed, seed).to(device)
-        qmap, buckets = quantize.dynamic_map(signed, device), quantize.search_buckets(signed, device)
-        got = torch.empty(x.shape, dtype=torch.uint8, device=device)
-        search_kernel[(triton.cdiv(x.numel(), 1024),)](x, got, qmap, buckets, x.numel(), BLOCK=1024)
-        want = quantize.nearest_codes(x, qmap)
-        wrong = (got != want).nonzero().flatten()[:5].tolist()
-        assert not wrong, [(x[i].item(), got[i].item(), want[i].item()) for i in wrong]
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
-def test_bucket_search_is_the_binary_search(seed):
-    check_bucket_search("cpu", seed)
-
-
-def test_search_buckets_hold_at_most_one_more_entry():
-    """The property the bucket search rests on, checked where the tables are built; and the tables'
-    shape: the positive buckets from the code of 0 up to 255, the negative ones down from it."""
-    for signed in (True, False):
-        buckets = quantize.search_buckets(signed)
-        zero = quantize._dynamic_map_values(signed).index(0.0)
-        assert buckets.shape == (2 * quantize.SEARCH_BUCKETS,)
-        assert buckets[0] == zero and buckets[quantize.SEARCH_BUCKETS - 1] == 255
-        positive, negative = buckets[:quantize.SEARCH_BUCKETS].int(), buckets[quantize.SEARCH_BUCKETS:].int()
-        assert (positive.diff() >= 0).all() and (negative.diff() <= 0).all()
-        assert negative[0] == (zero - 1 if signed else 0) and negative[-1] == 0
 
 
 def _trained(seed=0, steps=3, **options):

@@ -7,11 +7,7 @@ stochastic-rounding bits against the CPU's.
    bf16 step, both equal almost everywhere (fp32 contraction in the kernel can flip a rounding
    decision)
 3. an 8-bit round trip on CUDA: quantize(dequantize(q)) == q
-4. the kernel's bucket search gives the binary search's codes (test_bf16_adam.check_bucket_search)
 """
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,9 +15,6 @@ import torch
 import megatron_kd.optim.adam as adam
 from megatron_kd.optim import Bf16Adam, quantize
 from megatron_kd.optim.rounding import random_bits16, stochastic_round_bf16, stream_key
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_bf16_adam import check_bucket_search  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -92,7 +85,3 @@ def test_8bit_round_trip_on_cuda():
     codes, scales = quantize.quantize(x, qmap)
     again = quantize.quantize(quantize.dequantize(codes, scales, qmap, x.numel()), qmap)
     assert torch.equal(again[0], codes) and torch.equal(again[1], scales)
-
-
-def test_bucket_search_is_the_binary_search_on_cuda(seed):
-    check_bucket_search("cuda", seed)
