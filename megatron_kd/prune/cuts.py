@@ -106,6 +106,16 @@ def top_indices(scores: torch.Tensor, k: int) -> list[int]:
     return sorted(order[:k].tolist())
 
 
+def _check_width(flag: str, target: int | None, teacher: int | None, missing: str) -> None:
+    """An FFN width cut: the teacher has that part (else ``missing``), and the target is within it."""
+    if target is None:
+        return
+    if teacher is None:
+        raise PruneError(f"{flag}: {missing}")
+    if not 0 < target <= teacher:
+        raise PruneError(f"{flag} {target}: between 1 and the teacher's {teacher}")
+
+
 def check_targets(targets: PruneTargets, *, num_layers: int, group_size: int = 1, num_experts: int | None = None,
                   experts_per_token: int | None = None, ffn_hidden_size: int | None = None,
                   num_attention_heads: int | None = None, num_query_groups: int | None = None,
@@ -127,13 +137,9 @@ def check_targets(targets: PruneTargets, *, num_layers: int, group_size: int = 1
         if not (experts_per_token or 1) <= targets.num_experts <= num_experts:
             raise PruneError(f"--prune-num-experts {targets.num_experts}: between the router's top-k "
                              f"{experts_per_token} and the teacher's {num_experts} experts")
-    if targets.ffn_hidden_size is not None:
-        if ffn_hidden_size is None:
-            raise PruneError("--prune-ffn-hidden-size: the teacher has no dense MLP layers (an FFN width of an "
-                             "MoE teacher's experts is --prune-moe-ffn-hidden-size)")
-        if not 0 < targets.ffn_hidden_size <= ffn_hidden_size:
-            raise PruneError(f"--prune-ffn-hidden-size {targets.ffn_hidden_size}: between 1 and the teacher's "
-                             f"{ffn_hidden_size}")
+    _check_width("--prune-ffn-hidden-size", targets.ffn_hidden_size, ffn_hidden_size,
+                 "the teacher has no dense MLP layers (an FFN width of an MoE teacher's experts is "
+                 "--prune-moe-ffn-hidden-size)")
     if targets.num_attention_heads is not None:
         heads, target = num_attention_heads, targets.num_attention_heads
         groups = num_query_groups or num_attention_heads
@@ -146,13 +152,9 @@ def check_targets(targets: PruneTargets, *, num_layers: int, group_size: int = 1
             raise PruneError(f"--prune-num-attention-heads {target}: a multiple of the teacher's {groups} query "
                              f"groups up to its {heads} heads (each group keeps the same number of its "
                              f"{heads // groups} heads)")
-    if targets.moe_ffn_hidden_size is not None:
-        if num_experts is None or moe_ffn_hidden_size is None:
-            raise PruneError("--prune-moe-ffn-hidden-size: the teacher has no experts (a dense MLP's width is "
-                             "--prune-ffn-hidden-size)")
-        if not 0 < targets.moe_ffn_hidden_size <= moe_ffn_hidden_size:
-            raise PruneError(f"--prune-moe-ffn-hidden-size {targets.moe_ffn_hidden_size}: between 1 and the "
-                             f"teacher's {moe_ffn_hidden_size}")
+    _check_width("--prune-moe-ffn-hidden-size", targets.moe_ffn_hidden_size,
+                 moe_ffn_hidden_size if num_experts is not None else None,
+                 "the teacher has no experts (a dense MLP's width is --prune-ffn-hidden-size)")
     if targets.hidden_size is not None:
         n, tp = targets.hidden_size, tensor_parallel_size
         if hidden_size is None or not 0 < n <= hidden_size or n % tp:
