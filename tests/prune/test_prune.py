@@ -616,19 +616,27 @@ def _megatron_moe_worker(rank, world, seed):
         tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
         positions = torch.arange(16).expand(2, 16)
 
-        # the experts' fc2 input through both paths: grouped (bf16, the tap) and sequential (fp32, each linear_fc2)
+        # the experts' fc2 input through both paths: grouped (bf16, the tap) and sequential (fp32, each
+        # linear_fc2), routed alike: the fp32 model's routers return the bf16 model's choices (a near-tie
+        # routes a token elsewhere in bf16 on some seeds, which moves two experts' norms by a whole token)
         grouped = _megatron_moe(seed, dtype=torch.bfloat16)
         grouped.load_state_dict({k: v.bfloat16() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
                                  for k, v in teacher.state_dict().items()})
-        scores = {}
-        for name, model in (("sequential", teacher), ("grouped", grouped)):
+        sequential, routes, scores = _megatron_moe(seed), [], {}
+        hooks = [layer.mlp.router.register_forward_hook(lambda m, a, out: routes.append(out))
+                 for layer in grouped.decoder.layers]
+        hooks += [layer.mlp.router.register_forward_hook(lambda m, a, out, i=i: (routes[i][0].float(), routes[i][1]))
+                  for i, layer in enumerate(sequential.decoder.layers)]
+        for name, model in (("grouped", grouped), ("sequential", sequential)):
             with ImportanceCollector(model) as collector, torch.no_grad():
                 model(tokens, positions, None)
             scores[name] = collector.scores()
+        for hook in hooks:
+            hook.remove()
         assert scores["sequential"].expert_ffn.shape == (2, 4, 48) and scores["sequential"].hidden.shape == (32,)
         for part in ("expert_ffn", "hidden"):
             ours, theirs = getattr(scores["grouped"], part), getattr(scores["sequential"], part)
-            assert rel_err(ours, theirs) < 2e-2, (part, rel_err(ours, theirs))
+            assert rel_err(ours, theirs) < 2e-2, (part, rel_err(ours, theirs))  # bf16: ~0.009
 
         # experts 48 -> 24 wide: the teacher with the cut channels' fc2 columns zeroed
         kept = KeptParts(layers=[0, 1], expert_ffn=_kept_channels(seed, 2, 4, 48, 24))
