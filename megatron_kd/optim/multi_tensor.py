@@ -30,10 +30,9 @@ def l2_norm(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: list[list[to
     """``multi_tensor_l2norm``'s contract: (the l2 norm of every tensor of every list, fp32, shape [1];
     the per-tensor norms, fp32, when ``per_tensor``, else None)."""
     tensors = [t for tensors in tensor_lists for t in tensors]
-    device = tensors[0].device if tensors else noop_flag.device
     if not tensors:
-        return torch.zeros(1, dtype=torch.float32, device=device), (
-            torch.zeros(0, dtype=torch.float32, device=device) if per_tensor else None)
+        none = torch.zeros(0, dtype=torch.float32, device=noop_flag.device)
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), (none if per_tensor else None)
     norms = torch.stack(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))
     total = torch.linalg.vector_norm(norms).reshape(1)
     return total, (norms if per_tensor else None)
