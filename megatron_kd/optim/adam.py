@@ -8,8 +8,9 @@ Per parameter, what the optimizer holds (Megatron's default in brackets):
              bytes each; fp32 for tensors under 4,096 elements           [fp32: 4 + 4 bytes]
   => 2.03 bytes per parameter instead of 12.
 
-One update (on CUDA one Triton kernel per tensor, ``adam_triton.py``; elsewhere the torch ops below,
-per chunk of ``CHUNK`` elements so that temporaries stay bounded whatever the tensor): the
+One update (on CUDA one Triton kernel launch per group and kind of tensor, ``adam_triton.py``;
+elsewhere the torch ops below, per chunk of ``CHUNK`` elements so that temporaries stay bounded
+whatever the tensor): the
 moments are dequantized to fp32, the gradient (any float dtype; Megatron's bf16 ``decoupled_grad``)
 is read in fp32, and torch's AdamW formula runs in fp32 on an fp32 copy of the parameter::
 
@@ -49,7 +50,7 @@ import torch
 
 from megatron_kd.errors import UserError
 from megatron_kd.optim import quantize
-from megatron_kd.optim.rounding import MAX_ELEMENTS, random_bits16, stochastic_round_bf16, stream_key
+from megatron_kd.optim.rounding import MAX_ELEMENTS, random_bits16, stochastic_round_bf16, stream_key, stream_key_from
 
 ROUNDINGS = ("stochastic", "nearest")
 MOMENTS = ("8bit", "fp32")
@@ -194,6 +195,15 @@ def _adam_chunk(param, grad, exp_avg, exp_avg_sq, s, adam_w_mode: bool):
     return p32, exp_avg, exp_avg_sq
 
 
+def _to_device(numbers, device: torch.device) -> torch.Tensor:
+    """fp32 numbers on ``device``; to a GPU from pinned memory, so that the host does not wait for the
+    kernels queued before the copy."""
+    values = torch.tensor(numbers, dtype=torch.float32)
+    if device.type != "cuda":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
+
+
 class Bf16Adam(torch.optim.Optimizer):
     """See the module docstring. ``rounding``: "stochastic" | "nearest"; ``moments``: "8bit" |
     "fp32"; ``seed``: of the stochastic-rounding streams; ``impl``: "triton" (one fused kernel per
@@ -244,6 +254,8 @@ class Bf16Adam(torch.optim.Optimizer):
         self.use_decoupled_grad = use_decoupled_grad
         self._origins = _TensorOrigins(self.param_groups, group_stream)
         self.impl = impl
+        self._prefixes: dict[tuple[int, int], tuple[int, int]] = {}  # (index, stream) -> stream_key prefix
+        self._batches: dict[tuple, object] = {}  # (group, kind) -> adam_triton.KernelBatch
 
     # -- the update ---------------------------------------------------------------------------------
 
@@ -259,41 +271,72 @@ class Bf16Adam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for group_index, group in enumerate(self.param_groups):
             if not group["params"]:
                 continue
             # one step count per group, as TE's FusedAdam keeps it (megatron-core saves it from here)
             group["step"] = group.get("step", 0) + 1
-            numbers, on_device = step_scalars(group, group["step"]), {}
+            numbers, batches = step_scalars(group, group["step"]), defaultdict(list)
             for p in group["params"]:
                 grad = self._grad(p)
                 if grad is None or not p.numel():
                     continue
-                scalars = numbers
-                if self._uses_triton(p.device):  # one small host-to-device copy per group and step
-                    if p.device not in on_device:
-                        on_device[p.device] = torch.tensor(numbers, dtype=torch.float32, device=p.device)
-                    scalars = on_device[p.device]
-                self._update(p, grad, group, scalars)
+                if not self.state[p]:
+                    self.initialize_state(p)
+                if self._uses_triton(p.device):
+                    kind = (p.device, p.dtype, grad.dtype, self.state[p]["exp_avg"].dtype)
+                    batches[kind].append((p, grad))
+                else:
+                    self._torch_update(p, grad, group, numbers)
+            on_device = {}  # the step's numbers, one small copy per group and device
+            for kind, members in batches.items():
+                if kind[0] not in on_device:
+                    on_device[kind[0]] = _to_device(numbers, kind[0])
+                self._triton_update(group_index, group, kind, members, on_device[kind[0]])
         return loss
 
-    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict, scalars) -> None:
+    def _stochastic(self, p: torch.Tensor) -> bool:
+        return self.rounding == "stochastic" and p.dtype == torch.bfloat16
+
+    def _triton_update(self, group_index: int, group: dict, kind: tuple, members: list, scalars) -> None:
+        """Every tensor of one kind in a group with one kernel launch (``adam_triton.KernelBatch``)."""
+        from megatron_kd.optim.adam_triton import KernelBatch
+
+        device = kind[0]
+        stochastic = self._stochastic(members[0][0])
+        prefixes, offsets = [], []
+        for p, _ in members:
+            if stochastic:
+                index, stream, offset = self._origins.origin(p, group)
+                prefixes.append(self._stream_prefix(index, stream))
+                offsets.append(offset)
+            else:
+                prefixes.append((0, 0))
+                offsets.append(0)
+        batch = self._batches.setdefault((group_index, *kind), KernelBatch())
+        batch.launch([p.view(-1) for p, _ in members], [g.reshape(-1).contiguous() for _, g in members],
+                     [self.state[p]["exp_avg"] for p, _ in members], [self.state[p]["exp_avg_sq"] for p, _ in members],
+                     prefixes, offsets, (_qmap(True, device), _qmap(False, device)), scalars, step=group["step"],
+                     stochastic=stochastic, adam_w_mode=self.adam_w_mode)
+
+    def _stream_prefix(self, index: int, stream: int) -> tuple[int, int]:
+        """``stream_key(seed, stream, index)``, which each step's number finishes (cached: the hash is
+        Python arithmetic)."""
+        prefix = self._prefixes.get((index, stream))
+        if prefix is None:
+            prefix = self._prefixes[(index, stream)] = stream_key(self.seed, stream, index)
+        return prefix
+
+    def _torch_update(self, p: torch.Tensor, grad: torch.Tensor, group: dict, scalars) -> None:
+        """The update in torch ops, per chunk of ``CHUNK`` elements."""
         state = self.state[p]
-        if not state:
-            self.initialize_state(p)
-        stochastic = self.rounding == "stochastic" and p.dtype == torch.bfloat16
+        stochastic = self._stochastic(p)
         key, offset = None, 0
         if stochastic:
             index, stream, offset = self._origins.origin(p, group)
-            key = stream_key(self.seed, stream, index, group["step"])
+            key = stream_key_from(self._stream_prefix(index, stream), group["step"])
         flat_p, flat_g = p.view(-1), grad.reshape(-1)
         qmaps = _qmap(True, p.device), _qmap(False, p.device)
-        if self._uses_triton(p.device):
-            from megatron_kd.optim.adam_triton import triton_update
-
-            triton_update(flat_p, flat_g.contiguous(), state["exp_avg"], state["exp_avg_sq"], qmaps, scalars, key=key,
-                          offset=offset if stochastic else 0, adam_w_mode=self.adam_w_mode)
-            return
         for start in range(0, p.numel(), CHUNK):
             end = min(p.numel(), start + CHUNK)
             m, v = _moment_chunk(state["exp_avg"], start, end), _moment_chunk(state["exp_avg_sq"], start, end)

@@ -1,12 +1,21 @@
-"""``Bf16Adam``'s update as one Triton kernel per tensor: dequantize, Adam(W), quantize, round.
+"""``Bf16Adam``'s update as one Triton kernel launch per kind of tensor: dequantize, Adam(W),
+quantize, round.
 
 The torch path (``adam._chunk_step``) reads and writes each element in many passes (the moments'
 table lookups, the update, the blockwise absmax, the binary search for the nearest code, the hash
 of the rounding bits in 64-bit integers, the copies back), and launches them per chunk of every
-tensor: a GPT-OSS-120B rank's 16.4B parameters in ~3,000 tensors. Here one program owns
-``BLOCKS`` quantization blocks of 256 elements and does everything in registers: per element it
-reads the bf16 weight and gradient and the two 8-bit codes (plus a scale per block), and writes
-the weight and the codes back, 10 bytes, as a fused AdamW does for 16.
+tensor: a GPT-OSS-120B rank's 16.5B parameters in 2,631 tensors. Here a program does everything
+in registers, ``BLOCKS`` quantization blocks of 256 elements at a time: per element it reads the
+bf16 weight and gradient and the two 8-bit codes (plus a scale per block), and writes the weight
+and the codes back, 10 bytes, as a fused AdamW does for 16.
+
+One launch updates every tensor of a parameter group that shares the dtypes and the moments'
+storage (``KernelBatch``), as apex's and torch's multi-tensor ("foreach") optimizers do: a table on
+the device holds each tensor's addresses, size and rounding stream, and each program takes one work
+item of ``ITEM_BLOCKS`` blocks of one tensor. A launch per tensor cost the host ~70 us, 190 ms for
+a 120B rank's tensors (one H200, 2026-12-04), most of them small ones (biases, norms) during which
+the GPU waited. The table is rebuilt only when an address changes (a checkpoint load replaces the
+moments; megatron-core's gradient buffers keep theirs).
 
 Same numbers as the torch path, in the same order of operations (``adam._adam_chunk``), with
 IEEE-rounded division and square root (``div_rn`` / ``sqrt_rn``; Triton's ``/`` is approximate);
@@ -24,7 +33,16 @@ import triton.language as tl
 
 from megatron_kd.optim import quantize
 
-BLOCKS = 4  # quantization blocks per program: 1,024 elements
+# quantization blocks a program holds at once, and its warps: 4 elements per thread in 72 registers.
+# An H200 sweep over a 120B rank's tensors (2026-12-04, a launch per tensor): BLOCKS=1 / 2 warps
+# 250.5 ms, 2 / 4 255.5, 1 / 4 266.9, 4 / 8 289.1, 4 / 4 (8 elements per thread, 142 registers,
+# 12 warps per SM) 298.6: the binary searches' chains of dependent table loads want more warps.
+BLOCKS = 1
+NUM_WARPS = 2
+ITEM_BLOCKS = 64  # blocks per work item (16,384 elements): a 120B rank is ~1M items
+# columns of the tensor table (int64), in KernelBatch._row's order: the parameter's, the two moments'
+# and their scales' addresses, elements, blocks, the rounding stream's prefix (2) and offset
+FIELDS = tl.constexpr(10)
 
 
 @triton.jit
@@ -65,36 +83,19 @@ def _uint32(halves_hi, halves_lo):
     return (halves_hi.to(tl.uint32) << 16) | halves_lo.to(tl.uint32)
 
 
-# The rounding stream's words and the tensor's offset in it change with every step and tensor. Triton
-# compiles a kernel per argument type (int32 below 2^31, int64 above) and per divisibility of an
-# integer: they come as 16-bit halves, never specialized, and neither are the sizes (which only
-# bound masks), so one compiled kernel serves every tensor of a kind.
-@triton.jit(do_not_specialize=["n", "num_blocks", "key1_hi", "key1_lo", "key2_hi", "key2_lo", "offset_hi",
-                               "offset_lo"])
-def bf16_adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qmap_signed_ptr, qmap_unsigned_ptr,
-                     scalars_ptr, n, num_blocks, key1_hi, key1_lo, key2_hi, key2_lo, offset_hi, offset_lo, tiny,
-                     QUANTIZED: tl.constexpr, ADAM_W: tl.constexpr, STOCHASTIC: tl.constexpr,
-                     BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
-    """One Adam(W) step of elements [pid·BLOCKS·BLOCK, ...) of a flat tensor of ``n`` elements.
+@triton.jit
+def _update_blocks(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qmap_signed_ptr, qmap_unsigned_ptr,
+                   block_ids, n, num_blocks, key1, key2, offset, decay, l2, lerp, beta2, grad_sq, bias2_sqrt, eps,
+                   neg_step, tiny, QUANTIZED: tl.constexpr, ADAM_W: tl.constexpr, STOCHASTIC: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """One Adam(W) step of the quantization blocks ``block_ids`` of a flat tensor of ``n`` elements.
 
     QUANTIZED: m_ptr / v_ptr are the packed moments' codes (uint8, ``num_blocks``·BLOCK of them, the
-    last block's padding included) with their scales; else fp32 moments of n elements. ``scalars_ptr``:
-    ``adam.step_scalars`` as fp32 on the device. ``key1``, ``key2``, ``offset`` (each as 16-bit
-    halves): the rounding stream and this tensor's first element in it (STOCHASTIC only)."""
-    pid = tl.program_id(0).to(tl.int64)
-    block_ids = pid * BLOCKS + tl.arange(0, BLOCKS)
+    last block's padding included) with their scales; else fp32 moments of n elements. ``key1``,
+    ``key2`` (uint32): the rounding stream; ``offset``: the tensor's first element in it."""
     offs = block_ids[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     valid = offs < n
     in_blocks = block_ids[:, None] < num_blocks  # padding of the last block: codes exist, elements do not
-
-    decay = tl.load(scalars_ptr + 0)
-    l2 = tl.load(scalars_ptr + 1)
-    lerp = tl.load(scalars_ptr + 2)
-    beta2 = tl.load(scalars_ptr + 3)
-    grad_sq = tl.load(scalars_ptr + 4)
-    bias2_sqrt = tl.load(scalars_ptr + 5)
-    eps = tl.load(scalars_ptr + 6)
-    neg_step = tl.load(scalars_ptr + 7)
 
     p32 = tl.load(p_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     g32 = tl.load(g_ptr + offs, mask=valid, other=0.0).to(tl.float32)
@@ -125,8 +126,8 @@ def bf16_adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qma
 
     if STOCHASTIC:  # rounding.stochastic_round_bf16 with rounding.random_bits16's bits
         # offset + n <= 2^32 (Bf16Adam checks the tensor size): the element's index wraps nowhere
-        index = offs.to(tl.uint32) + _uint32(offset_hi, offset_lo)
-        h = _mix32(_mix32(index + _uint32(key1_hi, key1_lo)) ^ _uint32(key2_hi, key2_lo))
+        index = offs.to(tl.uint32) + offset
+        h = _mix32(_mix32(index + key1) ^ key2)
         bits16 = (h >> 16).to(tl.int32)
         bits = p32.to(tl.int32, bitcast=True)
         finite = (bits & 0x7F800000) != 0x7F800000
@@ -144,25 +145,120 @@ def bf16_adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qma
         tl.store(v_ptr + offs, v, mask=valid)
 
 
-def triton_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  qmaps: tuple[torch.Tensor, torch.Tensor], scalars: torch.Tensor, *, key: tuple[int, int] | None,
-                  offset: int, adam_w_mode: bool) -> None:
-    """One step of a whole contiguous tensor in place: ``param`` (bf16 / fp32), its gradient (any
-    float dtype, contiguous), the moments as ``Bf16Adam`` stores them (packed 8-bit or fp32), the
-    (signed, unsigned) maps and ``step_scalars`` as an fp32 device tensor."""
-    n = param.numel()
-    quantized = exp_avg.dtype == torch.uint8
-    if quantized:
-        (m, m_scales), (v, v_scales) = quantize.packed_views(exp_avg), quantize.packed_views(exp_avg_sq)
-        num_blocks = m_scales.numel()
-    else:
-        m, v, m_scales, v_scales = exp_avg, exp_avg_sq, exp_avg, exp_avg_sq  # scales unused
+# The step's number changes every step: it comes as 16-bit halves that Triton does not specialize
+# on (it compiles a kernel per argument type and per divisibility of an integer), so one compiled
+# kernel serves every step.
+@triton.jit(do_not_specialize=["step_hi", "step_lo"])
+def bf16_adam_kernel(tensors_ptr, grads_ptr, work_ptr, qmap_signed_ptr, qmap_unsigned_ptr, scalars_ptr, step_hi,
+                     step_lo, tiny, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, QUANTIZED: tl.constexpr,
+                     ADAM_W: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCKS: tl.constexpr, BLOCK: tl.constexpr,
+                     ITEM_BLOCKS: tl.constexpr):
+    """Work item ``program_id``: blocks [first, first + ITEM_BLOCKS) of tensor t, with (t, first) in
+    ``work_ptr`` (int32 pairs). ``tensors_ptr``: the int64 table of ``KernelBatch`` (a row per
+    tensor, ``FIELDS`` columns); ``grads_ptr``: the gradients' addresses (int64, a row per tensor);
+    ``scalars_ptr``: ``adam.step_scalars`` as fp32 on the device; ``step``: the step's number, which
+    finishes each tensor's rounding-stream key (``rounding.stream_key_from``)."""
+    item = tl.program_id(0)
+    t = tl.load(work_ptr + 2 * item).to(tl.int64)
+    first = tl.load(work_ptr + 2 * item + 1).to(tl.int64)
+    row = tensors_ptr + t * FIELDS
+    moment = tl.uint8 if QUANTIZED else tl.float32
+    p_ptr = tl.load(row + 0).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(grads_ptr + t).to(tl.pointer_type(G_DTYPE))
+    m_ptr = tl.load(row + 1).to(tl.pointer_type(moment))
+    v_ptr = tl.load(row + 2).to(tl.pointer_type(moment))
+    m_scales_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    v_scales_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+    n = tl.load(row + 5)
+    num_blocks = tl.load(row + 6)
+    key1 = tl.load(row + 7).to(tl.uint32)
+    key2 = tl.load(row + 8).to(tl.uint32)
+    offset = tl.load(row + 9).to(tl.uint32)
+    if STOCHASTIC:  # rounding.stream_key_from(prefix, step) for a step below 2^32
+        step = _uint32(step_hi, step_lo)
+        key1 = _mix32(key1 ^ step)
+        key2 = _mix32((key2 + step) ^ tl.full([], 0x9E3779B9, tl.uint32))
+
+    decay = tl.load(scalars_ptr + 0)
+    l2 = tl.load(scalars_ptr + 1)
+    lerp = tl.load(scalars_ptr + 2)
+    beta2 = tl.load(scalars_ptr + 3)
+    grad_sq = tl.load(scalars_ptr + 4)
+    bias2_sqrt = tl.load(scalars_ptr + 5)
+    eps = tl.load(scalars_ptr + 6)
+    neg_step = tl.load(scalars_ptr + 7)
+
+    # a fixed trip count (the blocks past the tensor's end are masked in _update_blocks): the last item
+    # of a tensor is its only partial one
+    for start in range(0, ITEM_BLOCKS, BLOCKS):
+        _update_blocks(p_ptr, g_ptr, m_ptr, v_ptr, m_scales_ptr, v_scales_ptr, qmap_signed_ptr, qmap_unsigned_ptr,
+                       first + start + tl.arange(0, BLOCKS), n, num_blocks, key1, key2, offset, decay, l2, lerp, beta2,
+                       grad_sq, bias2_sqrt, eps, neg_step, tiny, QUANTIZED, ADAM_W, STOCHASTIC, BLOCK)
+
+
+_TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+class KernelBatch:
+    """The tensors of one launch: one parameter group's tensors of one kind (parameter and gradient
+    dtype, 8-bit or fp32 moments, stochastic rounding or not). Keeps the device tables between
+    steps and rebuilds one when an address or size in it changes."""
+
+    def __init__(self):
+        self._rows: list[tuple[int, ...]] | None = None
+        self._grad_ptrs: list[int] | None = None
+        self._tables: dict[str, torch.Tensor] = {}
+
+    def launch(self, params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+               exp_avg_sqs: list[torch.Tensor], prefixes: list[tuple[int, int]], offsets: list[int],
+               qmaps: tuple[torch.Tensor, torch.Tensor], scalars: torch.Tensor, *, step: int, stochastic: bool,
+               adam_w_mode: bool) -> None:
+        """One step of every tensor: flat contiguous ``params`` (bf16 / fp32, one dtype) and ``grads``
+        (one float dtype), the moments as ``Bf16Adam`` stores them (all packed 8-bit or all fp32),
+        each tensor's rounding-stream prefix (``rounding.stream_key`` of its seed, stream and index)
+        and first element in that stream, the (signed, unsigned) maps and ``step_scalars`` as an
+        fp32 device tensor."""
+        if not params:
+            return
+        if stochastic and step >= 1 << 32:
+            raise ValueError(f"Bf16Adam's kernel finishes the rounding key with a 32-bit step: step {step}")
+        quantized = exp_avgs[0].dtype == torch.uint8
+        device = params[0].device
+        rows = [self._row(p, m, v, prefix, offset, quantized)
+                for p, m, v, prefix, offset in zip(params, exp_avgs, exp_avg_sqs, prefixes, offsets)]
+        if rows != self._rows:
+            self._rows = rows
+            self._tables["tensors"] = torch.tensor(rows, dtype=torch.int64).to(device)
+            self._tables["work"] = _work_items([row[6] for row in rows]).to(device)
+        grad_ptrs = [g.data_ptr() for g in grads]
+        if grad_ptrs != self._grad_ptrs:
+            self._grad_ptrs = grad_ptrs
+            self._tables["grads"] = torch.tensor(grad_ptrs, dtype=torch.int64).to(device)
+        work = self._tables["work"]
+        bf16_adam_kernel[(work.shape[0],)](
+            self._tables["tensors"], self._tables["grads"], work, *qmaps, scalars, step >> 16, step & 0xFFFF,
+            quantize.ZERO_BLOCK_SCALE, P_DTYPE=_TRITON_DTYPES[params[0].dtype], G_DTYPE=_TRITON_DTYPES[grads[0].dtype],
+            QUANTIZED=quantized, ADAM_W=adam_w_mode, STOCHASTIC=stochastic, BLOCKS=BLOCKS, BLOCK=quantize.BLOCK,
+            ITEM_BLOCKS=ITEM_BLOCKS, num_warps=NUM_WARPS,
+        )
+
+    @staticmethod
+    def _row(p, m, v, prefix, offset, quantized) -> tuple[int, ...]:
+        n = p.numel()
         num_blocks = -(-n // quantize.BLOCK)
-    words = (*(key if key is not None else (0, 0)), offset)
-    halves = [half for word in words for half in (word >> 16, word & 0xFFFF)]
-    grid = (triton.cdiv(num_blocks, BLOCKS),)
-    bf16_adam_kernel[grid](
-        param, grad, m, v, m_scales, v_scales, *qmaps, scalars, n, num_blocks, *halves,
-        quantize.ZERO_BLOCK_SCALE, QUANTIZED=quantized, ADAM_W=adam_w_mode, STOCHASTIC=key is not None,
-        BLOCKS=BLOCKS, BLOCK=quantize.BLOCK, num_warps=4,
-    )
+        # packed layout (quantize.packed_views): the codes of num_blocks blocks, then their scales
+        scales = num_blocks * quantize.BLOCK if quantized else 0
+        return (p.data_ptr(), m.data_ptr(), v.data_ptr(), m.data_ptr() + scales, v.data_ptr() + scales, n,
+                num_blocks, *prefix, offset)
+
+
+def _work_items(num_blocks: list[int]) -> torch.Tensor:
+    """(tensor, first block) int32 pairs: each tensor's blocks in items of ITEM_BLOCKS."""
+    blocks = torch.tensor(num_blocks, dtype=torch.int64)
+    items = (blocks + ITEM_BLOCKS - 1) // ITEM_BLOCKS
+    tensor = torch.repeat_interleave(torch.arange(len(num_blocks)), items)
+    starts = torch.cumsum(items, 0) - items
+    first = (torch.arange(int(items.sum())) - starts[tensor]) * ITEM_BLOCKS
+    if int(blocks.max()) >= 1 << 31:
+        raise ValueError(f"Bf16Adam's kernel indexes blocks with 31 bits: {int(blocks.max())} blocks")
+    return torch.stack([tensor, first], 1).to(torch.int32).contiguous()

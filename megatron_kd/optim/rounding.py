@@ -22,6 +22,7 @@ import torch
 
 _MASK32 = 0xFFFFFFFF
 _LOWBIAS32 = (0x7FEB352D, 0x846CA68B)
+_STREAM_H2_SALT = 0x9E3779B9
 
 
 def _mul32(x, constant: int):
@@ -38,16 +39,26 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+_STREAM_START = (0x243F6A88, 0x85A308D3)  # two independent chains (digits of pi)
+
+
 def stream_key(*words: int) -> tuple[int, int]:
     """A 64-bit key, as two 32-bit words, from non-negative integers (seed, tensor identity,
     step, ...), on the host."""
-    h1, h2 = 0x243F6A88, 0x85A308D3  # two independent chains (digits of pi)
+    return stream_key_from(_STREAM_START, *words)
+
+
+def stream_key_from(prefix: tuple[int, int], *words: int) -> tuple[int, int]:
+    """``stream_key`` of the words that made ``prefix`` (a key) followed by ``words``: a tensor's
+    (seed, stream, index) are hashed once and each step's number finishes the key (on the device, in
+    ``adam_triton``, for a step below 2^32: one 32-bit word)."""
+    h1, h2 = prefix
     for w in words:
         if w < 0:
             raise ValueError(f"stream_key takes non-negative integers, got {w}")
         while True:  # words of any size, 32 bits at a time
             h1 = _mix32(h1 ^ (w & _MASK32))
-            h2 = _mix32(((h2 + (w & _MASK32)) & _MASK32) ^ 0x9E3779B9)
+            h2 = _mix32(((h2 + (w & _MASK32)) & _MASK32) ^ _STREAM_H2_SALT)
             w >>= 32
             if not w:
                 break

@@ -4,6 +4,7 @@ ptxas run on the CPU, so CI catches kernels that the interpreter accepts but the
 """
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -23,7 +24,7 @@ from megatron_kd.ops.topk_kl_triton import (
 from megatron_kd.ops.topk_triton import topk_candidates_kernel
 from megatron_kd.models.moe_permutation import BLOCK_H, _gather_sum_kernel
 from megatron_kd.models.rope import _rope_kernel
-from megatron_kd.optim.adam_triton import BLOCKS, bf16_adam_kernel
+from megatron_kd.optim.adam_triton import BLOCKS, ITEM_BLOCKS, NUM_WARPS, bf16_adam_kernel
 
 GPT_OSS_VOCAB = 201_088
 
@@ -96,16 +97,14 @@ def main():
     )
 
     # Bf16Adam: 8-bit moments with stochastic rounding (bf16 weights), fp32 moments rounded to nearest
-    for quantized, param, stochastic in ((True, "*bf16", True), (False, "*fp32", False)):
-        moment = "*u8" if quantized else "*fp32"
+    for quantized, param, stochastic in ((True, tl.bfloat16, True), (False, tl.float32, False)):
         compile_sm90(
             bf16_adam_kernel,
-            {"p_ptr": param, "g_ptr": "*bf16", "m_ptr": moment, "v_ptr": moment, "m_scales_ptr": "*fp32",
-             "v_scales_ptr": "*fp32", "qmap_signed_ptr": "*fp32", "qmap_unsigned_ptr": "*fp32", "scalars_ptr": "*fp32",
-             "n": "i32", "num_blocks": "i32", **{f"{word}_{half}": "i32" for word in ("key1", "key2", "offset")
-                                                  for half in ("hi", "lo")}, "tiny": "fp32"},
-            {"QUANTIZED": quantized, "ADAM_W": True, "STOCHASTIC": stochastic, "BLOCKS": BLOCKS, "BLOCK": 256},
-            num_warps=4,
+            {"tensors_ptr": "*i64", "grads_ptr": "*i64", "work_ptr": "*i32", "qmap_signed_ptr": "*fp32",
+             "qmap_unsigned_ptr": "*fp32", "scalars_ptr": "*fp32", "step_hi": "i32", "step_lo": "i32", "tiny": "fp32"},
+            {"P_DTYPE": param, "G_DTYPE": tl.bfloat16, "QUANTIZED": quantized, "ADAM_W": True, "STOCHASTIC": stochastic,
+             "BLOCKS": BLOCKS, "BLOCK": 256, "ITEM_BLOCKS": ITEM_BLOCKS},
+            num_warps=NUM_WARPS,
         )
 
     # RoPE / YaRN of GPT-OSS's heads (d 64) in bf16, both directions

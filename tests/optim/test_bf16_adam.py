@@ -324,24 +324,64 @@ def test_triton_update_is_the_torch_update(adam_w_mode, seed):
         before = [q.detach().clone() for q in twins]
         kernel.step()
         torch_ops.step()
-        for p, q, q0 in zip(params, twins, before):
-            fp32_unit = torch.finfo(torch.float32).eps
-            if p.dtype == torch.float32:  # units of the operands: the weight, and Adam's step (~lr m / √v)
-                unit = 2 * fp32_unit * (q0.abs() + 10 * 1e-3 * 0.7 ** step)
-                assert ((p - q).abs() <= unit).all(), (step, p.numel())
+        _assert_same_update(kernel, torch_ops, params, twins, before, lr=1e-3 * 0.7 ** step, step=step)
+
+
+def _assert_same_update(kernel, torch_ops, params, twins, before, *, lr: float, step: int) -> None:
+    """The kernel's parameters and moments against the torch ops' (the bounds of the test above)."""
+    for p, q, q0 in zip(params, twins, before):
+        fp32_unit = torch.finfo(torch.float32).eps
+        if p.dtype == torch.float32:  # units of the operands: the weight, and Adam's step (~lr m / √v)
+            unit = 2 * fp32_unit * (q0.abs() + 10 * lr)
+            assert ((p - q).abs() <= unit).all(), (step, p.numel())
+        else:
+            steps = (p.detach().double() - q.detach().double()).abs() / _bf16_ulp(q.detach().double())
+            assert steps.max() <= 1 and (steps == 0).double().mean() > 0.999, (step, p.numel())
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = kernel.state[p][key], torch_ops.state[q][key]
+            if a.dtype == torch.float32:
+                # a few fp32 roundings of the operands apart (m = m + (1 - β1)(g - m) cancels)
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
             else:
-                steps = (p.detach().double() - q.detach().double()).abs() / _bf16_ulp(q.detach().double())
-                assert steps.max() <= 1 and (steps == 0).double().mean() > 0.999, (step, p.numel())
-            for key in ("exp_avg", "exp_avg_sq"):
-                a, b = kernel.state[p][key], torch_ops.state[q][key]
-                if a.dtype == torch.float32:
-                    # a few fp32 roundings of the operands apart (m = m + (1 - β1)(g - m) cancels)
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
-                else:
-                    codes = (quantize.packed_views(a)[0].int() - quantize.packed_views(b)[0].int()).abs()
-                    assert codes.max() <= 1 and (codes == 0).double().mean() > 0.999, (step, key)
-                    torch.testing.assert_close(quantize.packed_views(a)[1], quantize.packed_views(b)[1],
-                                               rtol=2 * fp32_unit, atol=0)
+                codes = (quantize.packed_views(a)[0].int() - quantize.packed_views(b)[0].int()).abs()
+                assert codes.max() <= 1 and (codes == 0).double().mean() > 0.999, (step, key)
+                torch.testing.assert_close(quantize.packed_views(a)[1], quantize.packed_views(b)[1],
+                                           rtol=2 * fp32_unit, atol=0)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton on CPU tensors needs TRITON_INTERPRET=1")
+def test_one_launch_updates_shards_and_follows_new_addresses(seed):
+    """The kernel's launch per group and kind (adam_triton.KernelBatch) on what megatron-core's
+    distributed optimizer hands it: 1-D views of shards that start inside their parameters (the
+    rounding streams continue at the shard's offset), two kinds in one group (8-bit and fp32
+    moments), a tensor without a gradient on one step (the launch's tables change), gradients at new
+    addresses every step and moments replaced by a checkpoint load; against the torch ops."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = (quantize.BLOCK * 70 + 13, 6000, 700)  # a shard over two work items, one within one, fp32 moments
+    params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).bfloat16()) for n in sizes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kernel, torch_ops = (Bf16Adam(ps, lr=1e-3, weight_decay=0.1, impl=impl, seed=5)
+                         for ps, impl in ((params, "triton"), (twins, "torch")))
+    cuts = (slice(3 * quantize.BLOCK + 50, None), slice(0, 5000), slice(100, 700))
+    shards = [p.detach().view(-1)[cut] for p, cut in zip(params, cuts)]
+    twin_shards = [q.detach().view(-1)[cut] for q, cut in zip(twins, cuts)]
+    for opt, views in ((kernel, shards), (torch_ops, twin_shards)):
+        opt.param_groups[0]["params"] = views
+    for step in range(3):
+        for i, (p, q) in enumerate(zip(shards, twin_shards)):
+            g = None if (step, i) == (1, 1) else torch.randn(p.shape, generator=gen).bfloat16()
+            p.grad, q.grad = g, (None if g is None else g.clone())
+            if step:  # the same state before the step
+                p.copy_(q)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if step == 2:  # as load_state_dict does: new tensors
+                        kernel.state[p][key] = torch_ops.state[q][key].clone()
+                    elif kernel.state[p]:
+                        kernel.state[p][key].copy_(torch_ops.state[q][key])
+        before = [q.clone() for q in twin_shards]
+        kernel.step()
+        torch_ops.step()
+        _assert_same_update(kernel, torch_ops, shards, twin_shards, before, lr=1e-3, step=step)
 
 
 def test_unknown_impl_is_one_clear_error():
