@@ -179,6 +179,9 @@ SIZES = {
                      recompute="full"),
     "120b": ModelSize(Recipe("gpt_oss", "gpt_oss.sh", "120b.sh", "GPT_OSS"), vocab=201088, gpus=8, seq=32768,
                       recompute="full"),
+    # the 64-expert student pruned from the 120B teacher (megatron-kd prune --prune-num-experts 64)
+    "120b_e64": ModelSize(Recipe("gpt_oss", "gpt_oss.sh", "120b_e64.sh", "GPT_OSS"), vocab=201088, gpus=8,
+                          seq=32768, recompute="full"),
     # Llama-3.2-3B from Llama-3.1-8B-Instruct on one GPU (both 128,256 ids): 8 samples of 8K per step,
     # no recompute (3b.sh); the origin's peaks at 8K: 58.3 GB fused, 102.8 GB online
     "llama3-3b": ModelSize(Recipe(size="3b.sh", **LLAMA3), vocab=128256, gpus=1, seq=8192, recompute="none",

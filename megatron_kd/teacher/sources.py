@@ -13,6 +13,8 @@ from megatron_kd.megatron.packing import DocumentPacking
 from megatron_kd.ops.comm import gather_first_dim
 from megatron_kd.teacher.fingerprint import module_fingerprint
 
+LOGITS_CHECK_TOKENS = 1024  # HFTeacher's check of its logits against lm_head(hidden states)
+
 
 def _hidden_and_weight(hidden_states, output_layer, output_weight, **_):
     # GPTModel's output_processor hook: stop before the output layer, hand back what it would use
@@ -83,10 +85,13 @@ class HFTeacher:
             packed = {"position_ids": self.packing.documents_of(tokens).positions, "use_cache": False}
         hidden = self.model.base_model(input_ids=tokens, **packed).last_hidden_state  # [b, s, h], final norm applied
         if not self._checked:
-            # Models that scale or soft-cap logits after lm_head would be cached wrongly: refuse them.
-            first = {key: value[:1] if torch.is_tensor(value) else value for key, value in packed.items()}
-            logits = self.model(input_ids=tokens[:1], **first).logits[0].float()
-            ours = (hidden[0] @ self.head.weight.t()).float()
+            # Models that scale or soft-cap logits after lm_head would be cached wrongly: refuse them. On
+            # the first sample's first tokens (causal: the same hidden states as in the whole sample),
+            # since the logits of a whole long sample do not fit (128K x 128,256 in fp32: 63 GiB)
+            n = min(tokens.shape[1], LOGITS_CHECK_TOKENS)
+            first = {key: value[:1, :n] if torch.is_tensor(value) else value for key, value in packed.items()}
+            logits = self.model(input_ids=tokens[:1, :n], **first).logits[0].float()
+            ours = (hidden[0, :n] @ self.head.weight.t()).float()
             err = (logits - ours).norm() / logits.norm().clamp_min(1e-30)
             if err > 1e-3:
                 raise ValueError(f"HF teacher: logits differ from lm_head(last hidden state) by {err:.2e} "

@@ -271,6 +271,40 @@ def test_hf_teacher_cache_equals_its_topk(tmp_path, seed):
     assert (lps.gather(-1, order).double() - ref_lp.gather(-1, worder)).abs().max() <= 1e-5 + 0.5 / 257
 
 
+def test_hf_teacher_refuses_scaled_logits_checked_on_a_prefix(monkeypatch):
+    """HFTeacher compares the model's logits with lm_head(hidden states) on the first sample's first
+    LOGITS_CHECK_TOKENS tokens (a whole 128K sample's logits do not fit on a GPU): a model that
+    soft-caps its logits after lm_head is refused, a plain one passes, and the model's forward sees
+    only the prefix."""
+    transformers = pytest.importorskip("transformers")
+    import megatron_kd.teacher.sources as sources
+
+    monkeypatch.setattr(sources, "LOGITS_CHECK_TOKENS", 8)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
+
+    class SoftCapped(transformers.LlamaForCausalLM):
+        lengths: list[int] = []
+
+        def forward(self, input_ids=None, **kwargs):
+            self.lengths.append(input_ids.shape[1])
+            out = super().forward(input_ids=input_ids, **kwargs)
+            out.logits = 30 * torch.tanh(out.logits / 30)
+            return out
+
+    torch.manual_seed(0)
+    plain = HFTeacher(transformers.LlamaForCausalLM(config))
+    hidden, weight = plain(tokens)
+    assert hidden.shape == (SEQ, 2, 32) and plain._checked
+    capped = SoftCapped(config)
+    with torch.no_grad():
+        capped.lm_head.weight.mul_(300)  # logits far past the cap's linear range
+    with pytest.raises(ValueError, match="soft-capping"):
+        HFTeacher(capped)(tokens)
+    assert SoftCapped.lengths == [8]
+
+
 def test_hf_teacher_with_a_tokenizer_without_vocabulary_table(tmp_path):
     """``cache build --kd-teacher-hf`` with Megatron's NullTokenizer (no vocabulary table, as
     benchmarks/bench_node.py runs it): the sizes are checked, the missing table is not an error."""
