@@ -13,7 +13,7 @@ One launch updates every tensor of a parameter group that shares the dtypes and 
 storage (``KernelBatch``), as apex's and torch's multi-tensor ("foreach") optimizers do: a table on
 the device holds each tensor's addresses, size and rounding stream, and each program takes one work
 item of ``ITEM_BLOCKS`` blocks of one tensor. A launch per tensor cost the host ~70 us, 190 ms for
-a 120B rank's tensors (one H200, 2026-12-04), most of them small ones (biases, norms) during which
+a 120B rank's tensors (one H200, 2026-12-04, 3d80ffd), most of them small ones (biases, norms) during which
 the GPU waited. The table is rebuilt only when an address changes (a checkpoint load replaces the
 moments; megatron-core's gradient buffers keep theirs).
 
@@ -33,12 +33,13 @@ import triton.language as tl
 
 from megatron_kd.optim import quantize
 
-# quantization blocks a program holds at once, and its warps: 4 elements per thread in 72 registers.
-# An H200 sweep over a 120B rank's tensors (2026-12-04, a launch per tensor): BLOCKS=1 / 2 warps
-# 250.5 ms, 2 / 4 255.5, 1 / 4 266.9, 4 / 8 289.1, 4 / 4 (8 elements per thread, 142 registers,
-# 12 warps per SM) 298.6: the binary searches' chains of dependent table loads want more warps.
+# quantization blocks a program holds at once, and its warps: one block per warp, whose absmax is
+# then a reduction within the warp (shuffles, no shared memory or barrier), 8 elements per thread.
+# An H200 sweep over a 120B rank's 2,631 tensors, one launch per kind (2026-12-04, 2191483): BLOCKS=1 with
+# 1 warp 226.6 ms, 1 / 2 242.1, 1 / 4 250.4, 2 / 2 269.1, 2 / 4 283.7, 4 / 4 349.9; with a launch
+# per tensor (3d80ffd), 4 / 4 took 298.6 ms, 190 ms of it the host's launches.
 BLOCKS = 1
-NUM_WARPS = 2
+NUM_WARPS = 1
 ITEM_BLOCKS = 64  # blocks per work item (16,384 elements): a 120B rank is ~1M items
 # columns of the tensor table (int64), in KernelBatch._row's order: the parameter's, the two moments'
 # and their scales' addresses, elements, blocks, the rounding stream's prefix (2) and offset
