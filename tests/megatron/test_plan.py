@@ -41,13 +41,18 @@ def _args(*flags):
 
 
 @pytest.mark.parametrize("record", json.loads((ROOT / "benchmarks" / "memory_measurements.json").read_text())["full_depth"],
-                         ids=lambda r: f"{r['size']}-rank-of-8-{r['loss']}-{r['recompute']}-{r['optimizer']}")
+                         ids=lambda r: f"{r['size']}-{r.get('seq', 32768)}-{r['loss']}-{r['recompute']}-{r['optimizer']}")
 def test_full_depth_peaks_within_10_percent(record):
-    """One rank of the 20B or 120B node at full depth (bench_node --rank-of 8): the plan of the very
-    flags the benchmark passed, optimizer step included, against the measured peak."""
+    """One rank of the 20B or 120B node at full depth (bench_node --rank-of 8), or the one-GPU Llama
+    student: the plan of the very flags the benchmark passed, optimizer step included, against the
+    measured peak."""
     import bench_node
 
-    argv = ["--size", record["size"], "--rank-of", "8", "--recompute", record["recompute"], "--optimizer", record["optimizer"]]
+    argv = ["--size", record["size"], "--recompute", record["recompute"], "--optimizer", record["optimizer"]]
+    if record.get("rank_of", 8):
+        argv += ["--rank-of", str(record.get("rank_of", 8))]
+    if "seq" in record:
+        argv += ["--seq", str(record["seq"])]
     if record["recompute_modules"]:
         argv += ["--recompute-modules", ",".join(record["recompute_modules"])]
     opts = bench_node.parse([*argv, "--out", "/nonexistent/plan-check"])
