@@ -10,9 +10,9 @@ Per parameter, what the optimizer holds (Megatron's default in brackets):
 
 One update (on CUDA one Triton kernel launch per group and kind of tensor, ``adam_triton.py``;
 elsewhere the torch ops below, per chunk of ``CHUNK`` elements so that temporaries stay bounded
-whatever the tensor): the
-moments are dequantized to fp32, the gradient (any float dtype; Megatron's bf16 ``decoupled_grad``)
-is read in fp32, and torch's AdamW formula runs in fp32 on an fp32 copy of the parameter::
+whatever the tensor): the moments are dequantized to fp32, the gradient (any float dtype;
+Megatron's bf16 ``decoupled_grad``) is read in fp32, and torch's AdamW formula runs in fp32 on an
+fp32 copy of the parameter::
 
     p ← p·(1 − lr·wd);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²
     p ← p − lr/(1−β1^t) · m / (sqrt(v)/sqrt(1−β2^t) + eps)
