@@ -40,8 +40,9 @@ random-initialized weights, uniformly random tokens, and a teacher cache that ``
 build`` writes from a tiny random Hugging Face teacher at the student's vocabulary whose logits are
 scaled to teacher-like distributions (top-1 probability ~0.4, top-100 mass ~0.93). ``--size``
 (``SIZES``) names the recipe, the vocabulary, the defaults (GPUs, --seq, global batch, recompute)
-and the teacher of online KD: 20b, 120b (8 GPUs, 32K, 2 samples per GPU, full recompute) and
-llama3-3b (1 GPU, 8K, 65,536 tokens per GPU, no recompute, the 8B teacher).
+and the teacher of online KD: 20b, 120b and 120b_e64 (the 64-expert student pruned from the 120B
+teacher; 8 GPUs, 32K, 2 samples per GPU, full recompute) and llama3-3b (1 GPU, 8K, 65,536 tokens per
+GPU, no recompute, the 8B teacher).
 
 ``--rank-of N``: one rank of an N-GPU node on one GPU. In the recipe's layout (EP = N) a rank holds
 experts / N of the experts and, with top-k routing over them, computes the expert FLOPs of all its
