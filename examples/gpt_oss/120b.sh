@@ -8,9 +8,9 @@ GPT_OSS_SIZE=(--num-layers 36 --num-experts 128)
 # data-parallel ranks (the experts' is not: expert-data parallel is 1). Recompute: the layout
 # `megatron-kd plan --search` ranks first for these flags, the first 27 of the 36 layers whole and the
 # experts' activation in the other 9, 131.0 GiB per GPU planned (104 with every layer recomputed).
-# One rank on one H200 (bench_node --rank-of 8, 2026-12-03, f88583c) holds 20.7 GiB more than a real
-# rank (the dense state unsharded), so it ran 29 layers whole: 9.02 s per step at 127.3 GiB (9.27 s
-# with 33 at ee5deba). Megatron's default state (fp32 master weights and moments, fp32
+# One rank on one H200 (bench_node --rank-of 8, 2026-12-04, 570c7d6) holds 20.7 GiB more than a real
+# rank (the dense state unsharded), so it ran 29 layers whole: 8.69 s per step at 127.3 GiB (28 ran
+# NCCL out of memory there). Megatron's default state (fp32 master weights and moments, fp32
 # gradients: 18 bytes per parameter) fits no one-node layout, and its CPU offload needs ~2.2 TiB of
 # host RAM. The option implies --bf16 --use-distributed-optimizer --use-precision-aware-optimizer
 # --main-grads-dtype bf16 --exp-avg-dtype fp8 --exp-avg-sq-dtype fp8 (megatron_kd/optim/megatron.py).
