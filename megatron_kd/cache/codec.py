@@ -43,12 +43,51 @@ class CacheWriteError(CacheError):
 
 def sorted_entries(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids, logprobs) [..., K] -> (ids int64, logprobs float32, valid bool) [..., K] with each
-    token's valid entries sorted by id and padding last; validates the entries.
+    token's valid entries sorted by id and padding last; validates the entries (``sort_entries``,
+    then its checks read at once: one device-to-host copy)."""
+    sorted_ids, sorted_lps, sorted_valid, checks = sort_entries(ids, logprobs, vocab_size, where=where)
+    checks.verify(checks.stats.tolist() if checks.stats is not None else [])
+    return sorted_ids, sorted_lps, sorted_valid
 
-    Padding is id -1 or log-prob -inf. Raises CacheError for ids outside [-1, vocab_size), ids
-    repeated within a token, NaN / +inf / positive log-probs. Tensors are sorted on their own
-    device (a teacher pass hands over CUDA tensors: the per-token sort then costs the GPU a few
-    microseconds instead of the writer's CPU most of its time).
+
+class EntryChecks:
+    """What ``sort_entries`` checks, left on the device: ``stats`` (float64: the lowest and highest
+    id, whether any log-prob is NaN or +inf, the largest finite one, whether an id repeats within a
+    token), which ``verify`` reads once they are on the host (a teacher pass copies them behind its
+    queued work: write_behind.py)."""
+
+    def __init__(self, stats: torch.Tensor | None, repeated: torch.Tensor, vocab_size: int, where: str):
+        self.stats, self.repeated, self.vocab_size, self.where = stats, repeated, vocab_size, where
+
+    def verify(self, stats: list[float]) -> None:
+        """Raise CacheError for the first thing wrong, given ``stats`` on the host (empty: no entries)."""
+        if not stats:
+            return
+        lo, hi, nan, posinf, top, dup = stats
+        where = self.where
+        if lo < -1 or hi >= self.vocab_size:
+            raise CacheError(f"{where}topk_ids holds id {int(lo if lo < -1 else hi)}; expected -1 or "
+                             f"[0, {self.vocab_size}) (vocab_size={self.vocab_size})")
+        if nan:
+            raise CacheError(f"{where}topk_logprobs holds NaN")
+        if posinf:
+            raise CacheError(f"{where}topk_logprobs holds +inf")
+        if top > _POSITIVE_SLACK:
+            raise CacheError(f"{where}topk_logprobs holds {top:.4g} > 0; log-probabilities must be <= 0")
+        if dup:
+            tok = torch.nonzero(self.repeated)[0][:-1].tolist()
+            raise CacheError(f"{where}topk_ids repeats an id within token {tuple(tok)}")
+
+
+def sort_entries(ids, logprobs, vocab_size: int, *, where: str = ""):
+    """``sorted_entries`` without waiting for the device: (ids, logprobs, valid, EntryChecks), the
+    checks still to be verified.
+
+    Padding is id -1 or log-prob -inf. The checks find ids outside [-1, vocab_size), ids repeated
+    within a token, NaN / +inf / positive log-probs. Tensors are sorted on their own device (a
+    teacher pass hands over CUDA tensors: the per-token sort then costs the GPU a few microseconds
+    instead of the writer's CPU most of its time). What is wrong with the shapes or dtypes raises
+    here.
     """
     ids = ids.detach() if torch.is_tensor(ids) else torch.from_numpy(np.asarray(ids))
     lps = logprobs.detach().float() if torch.is_tensor(logprobs) else torch.from_numpy(np.asarray(logprobs, np.float32))
@@ -66,25 +105,14 @@ def sorted_entries(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[
     sorted_lps = torch.gather(lps, -1, order)
     sorted_valid = sorted_ids < big
     repeated = (torch.diff(sorted_ids, dim=-1) == 0) & sorted_valid[..., 1:]
-    if ids.numel():  # every check in one device-to-host copy
-        lo, hi, nan, posinf, top, dup = torch.stack([
+    stats = None
+    if ids.numel():  # every check in one tensor: one device-to-host copy
+        stats = torch.stack([
             ids.min().double(), ids.max().double(), lps.isnan().any().double(), lps.isposinf().any().double(),
-            torch.nan_to_num(lps, nan=-np.inf, posinf=-np.inf).max().double(), repeated.any().double()]).tolist()
-        if lo < -1 or hi >= vocab_size:
-            raise CacheError(f"{where}topk_ids holds id {int(lo if lo < -1 else hi)}; expected -1 or [0, {vocab_size}) "
-                             f"(vocab_size={vocab_size})")
-        if nan:
-            raise CacheError(f"{where}topk_logprobs holds NaN")
-        if posinf:
-            raise CacheError(f"{where}topk_logprobs holds +inf")
-        if top > _POSITIVE_SLACK:
-            raise CacheError(f"{where}topk_logprobs holds {top:.4g} > 0; log-probabilities must be <= 0")
-        if dup:
-            tok = torch.nonzero(repeated)[0][:-1].tolist()
-            raise CacheError(f"{where}topk_ids repeats an id within token {tuple(tok)}")
+            torch.nan_to_num(lps, nan=-np.inf, posinf=-np.inf).max().double(), repeated.any().double()])
     sorted_ids = torch.where(sorted_valid, sorted_ids, -1)
     sorted_lps = torch.where(sorted_valid, sorted_lps, -np.inf)
-    return sorted_ids, sorted_lps, sorted_valid
+    return sorted_ids, sorted_lps, sorted_valid, EntryChecks(stats, repeated, vocab_size, where)
 
 
 def logprob_codes(sorted_lps: torch.Tensor) -> torch.Tensor:
@@ -96,14 +124,18 @@ def logprob_codes(sorted_lps: torch.Tensor) -> torch.Tensor:
 def encode_topk(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(ids, logprobs) [..., K] -> (id_deltas uint32, codes uint16) [..., K] of the topk-v1 encoding;
     validates the entries (``sorted_entries``). Only the codes come to the host."""
-    sorted_ids, sorted_lps, sorted_valid = sorted_entries(ids, logprobs, vocab_size, where=where)
+    deltas, codes = topk_deltas_and_codes(*sorted_entries(ids, logprobs, vocab_size, where=where))
+    return deltas.cpu().numpy().astype(np.uint32), codes.cpu().numpy().astype(np.uint16)
+
+
+def topk_deltas_and_codes(sorted_ids, sorted_lps, sorted_valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """The topk-v1 values of sorted entries, on their device: (id deltas int64, codes int32)."""
     # running sums of these give the sorted ids, then -1 from the first padding entry on
     prev = torch.cat([torch.zeros_like(sorted_ids[..., :1]), sorted_ids[..., :-1]], -1)
     prev_valid = torch.cat([torch.ones_like(sorted_valid[..., :1]), sorted_valid[..., :-1]], -1)
     first_pad = ~sorted_valid & prev_valid
     deltas = torch.where(sorted_valid, sorted_ids - prev, torch.where(first_pad, -1 - prev, 0))
-    codes = torch.where(sorted_valid, logprob_codes(sorted_lps), PAD_CODE)
-    return deltas.cpu().numpy().astype(np.uint32), codes.cpu().numpy().astype(np.uint16)
+    return deltas, torch.where(sorted_valid, logprob_codes(sorted_lps), PAD_CODE)
 
 
 def decode_topk(id_deltas: np.ndarray, codes: np.ndarray, *, ids_dtype=torch.int32) -> tuple[torch.Tensor, torch.Tensor]:

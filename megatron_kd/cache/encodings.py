@@ -44,8 +44,8 @@ from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec
 
 from megatron_kd.cache import entry_codecs as ec
-from megatron_kd.cache.codec import (LOGPROB_SCALE, PAD_CODE, CacheError, code_logprobs, decode_topk, encode_topk,
-                                     logprob_codes, sorted_entries)
+from megatron_kd.cache.codec import (LOGPROB_SCALE, PAD_CODE, CacheError, code_logprobs, decode_topk, logprob_codes,
+                                     sort_entries, topk_deltas_and_codes)
 
 TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1, TOPK_V3 = "topk-v1", "topk-v2", "sampled-counts-v1", "topk-v3"
 CODECS = (TOPK_V1, TOPK_V2, SAMPLED_COUNTS_V1, TOPK_V3)
@@ -205,30 +205,72 @@ def array_specs(codec: str, draws: int) -> dict[str, ArraySpec]:
 
 
 # ---------------------------------------------------------------- writer side: tensors -> arrays
-def encode_rows(codec: str, ids, logprobs, *, vocab_size: int, draws: int, where: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(ids, logprobs) [..., K] from a teacher pass -> the (ids, logprobs) arrays' values, checked
-    (CacheError naming what is wrong) and sorted on the tensors' device."""
+def encode_rows(codec: str, ids, logprobs, *, vocab_size: int, draws: int, where: str = "") -> "PendingRows":
+    """(ids, logprobs) [..., K] from a teacher pass -> the (ids, logprobs) arrays' values, sorted
+    and encoded on the tensors' device, on their way to the host: ``PendingRows.result()`` gives
+    them, checked (CacheError naming what is wrong)."""
+    sorted_ids, sorted_lps, valid, checks = sort_entries(ids, logprobs, vocab_size, where=where)
     if codec == TOPK_V1:
-        return encode_topk(ids, logprobs, vocab_size, where=where)
-    sorted_ids, sorted_lps, valid = sorted_entries(ids, logprobs, vocab_size, where=where)
+        deltas, codes = topk_deltas_and_codes(sorted_ids, sorted_lps, valid)
+        return PendingRows(deltas, np.uint32, codes, np.uint16, checks)
     if codec == TOPK_V2:
         values = torch.where(valid, logprob_codes(sorted_lps), PAD_CODE)
-    elif codec == TOPK_V3:
+        return PendingRows(sorted_ids.to(torch.int32), np.int32, values, np.uint16, checks)
+    if codec == TOPK_V3:
         values = torch.where(valid, probability_levels(sorted_lps), ec.PAD_LEVEL)
-        return sorted_ids.to(torch.int32).cpu().numpy(), values.to(torch.uint8).cpu().numpy()
-    else:
-        exact = sorted_lps.double().exp() * draws
-        counts = torch.where(valid, exact.round(), 0)
-        far = valid & ((exact - counts).abs() > _COUNT_SLACK * counts.clamp(min=1))
-        sums = counts.sum(-1)
-        uneven = valid.any(-1) & (sums != draws)
-        if bool(far.any() | uneven.any()):  # one device-to-host copy when all is well
-            tok = tuple(torch.nonzero(far.any(-1) | uneven)[0].tolist())
-            raise CacheError(f"{where}topk_logprobs of token {tok} are not log(count / {draws}) of counts summing to "
-                             f"sampled_draws={draws}; a sampled cache stores draw counts (write a top-K cache "
-                             f"with codec {TOPK_V2!r} or {TOPK_V1!r} for other log-probs)")
-        values = counts.to(torch.int32)
-    return sorted_ids.to(torch.int32).cpu().numpy(), values.cpu().numpy().astype(np.uint16)
+        return PendingRows(sorted_ids.to(torch.int32), np.int32, values.to(torch.uint8), np.uint8, checks)
+    exact = sorted_lps.double().exp() * draws
+    counts = torch.where(valid, exact.round(), 0)
+    far = valid & ((exact - counts).abs() > _COUNT_SLACK * counts.clamp(min=1))
+    uneven = valid.any(-1) & (counts.sum(-1) != draws)
+    return PendingRows(sorted_ids.to(torch.int32), np.int32, counts.to(torch.int32), np.uint16,
+                       _DrawCountChecks(checks, far, uneven, draws))
+
+
+class _DrawCountChecks:
+    """The entries' checks, then that a sampled cache's log-probs are log(count / draws) of counts
+    summing to the draws."""
+
+    def __init__(self, entries, far: torch.Tensor, uneven: torch.Tensor, draws: int):
+        self.entries, self.far, self.uneven, self.draws = entries, far, uneven, draws
+        if entries.stats is None:
+            self.stats = None
+        else:
+            self.stats = torch.cat([entries.stats, torch.stack([far.any(), uneven.any()]).double()])
+
+    def verify(self, stats: list[float]) -> None:
+        self.entries.verify(stats[:-2])
+        if stats and (stats[-2] or stats[-1]):
+            tok = tuple(torch.nonzero(self.far.any(-1) | self.uneven)[0].tolist())
+            raise CacheError(f"{self.entries.where}topk_logprobs of token {tok} are not log(count / {self.draws}) of "
+                             f"counts summing to sampled_draws={self.draws}; a sampled cache stores draw counts "
+                             f"(write a top-K cache with codec {TOPK_V2!r} or {TOPK_V1!r} for other log-probs)")
+
+
+class PendingRows:
+    """Encoded rows on their way to the host, with the checks on them. From a GPU they are copied
+    into pinned host memory behind the work already queued (non-blocking) and ``result`` waits for
+    that copy alone: a teacher pass hands them over and goes on to launch its next forward, instead
+    of waiting for its last one to finish (write_behind.py)."""
+
+    def __init__(self, ids: torch.Tensor, ids_dtype, values: torch.Tensor, values_dtype, checks):
+        self._dtypes, self._checks = (ids_dtype, values_dtype), checks
+        tensors = (ids, values, checks.stats)
+        self._event = None
+        if ids.is_cuda:
+            tensors = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
+                t, non_blocking=True) for t in tensors)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._ids, self._values, self._stats = tensors
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """The (ids, logprobs) arrays' values; raises CacheError if the entries are bad."""
+        if self._event is not None:
+            self._event.synchronize()
+        self._checks.verify(self._stats.tolist() if self._stats is not None else [])
+        (ids_dtype, values_dtype) = self._dtypes
+        return (self._ids.numpy().astype(ids_dtype, copy=False), self._values.numpy().astype(values_dtype, copy=False))
 
 
 def probability_levels(sorted_lps: torch.Tensor) -> torch.Tensor:

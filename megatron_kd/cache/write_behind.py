@@ -3,10 +3,13 @@
 A teacher pass must cost what a logits forward costs, but storing a micro-batch is host work:
 buffering rows, compressing a full shard (zstd, for topk-v2 about 0.1 M tokens per CPU-second)
 and writing it. Done inline, the GPU idles for all of it. ``submit`` does the part that must see
-the tensors (``CacheWriter.encode``: checks, the per-token sort and the codes on the tensors'
-device, then one copy to host) on the caller's thread, so bad data still raises at the
-micro-batch that holds it, and queues the rest for ``workers`` threads; the caller goes on to the
-next forward while they compress.
+the tensors on the caller's thread (``CacheWriter.encode_async``: the shapes checked, the per-token
+sort, the codes and the entries' checks launched on the tensors' device, and their copy to pinned
+host memory queued behind them) and never waits for the device: the caller goes on to launch the
+next forward while the GPU still runs this one, so the GPU's queue never drains between
+micro-batches. A worker waits for the copy, checks the entries and stores them. Bad entries (NaN
+log-probs, ids out of range) are therefore raised by the next ``submit`` or by ``drain``, naming
+the micro-batch's first sample; nothing of that micro-batch or after it is stored.
 
 Each queued micro-batch is one task: it places its rows in their shards' buffers
 (``CacheWriter.buffer``), in submission order (a task waits for its turn; tasks start in that
@@ -36,7 +39,7 @@ import threading
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from megatron_kd.cache.writer import CacheWriter, EncodedSamples
+from megatron_kd.cache.writer import CacheWriter, EncodedSamples, PendingSamples
 
 # More shards in flight than this buys nothing measurable (each write already spreads its chunks
 # over zarr's codec threads) and costs a shard buffer (up to 64 MiB) each.
@@ -70,11 +73,13 @@ class WriteBehind:
         self._failed = False  # a task raised: the ones after it store nothing
 
     def submit(self, sample_idx, topk_ids, topk_logprobs) -> None:
-        """Encode samples now (as ``CacheWriter.write`` takes them) and store them behind."""
-        self.submit_encoded(self.writer.encode(sample_idx, topk_ids, topk_logprobs))
+        """Encode samples on their device now (as ``CacheWriter.write`` takes them) and store them
+        behind: a worker waits for their copy to the host and checks their entries."""
+        self.submit_encoded(self.writer.encode_async(sample_idx, topk_ids, topk_logprobs))
 
-    def submit_encoded(self, encoded: EncodedSamples) -> None:
-        """Store samples that ``CacheWriter.encode`` encoded behind; waits while the queue is full."""
+    def submit_encoded(self, encoded: EncodedSamples | PendingSamples) -> None:
+        """Store samples that ``CacheWriter.encode`` (or ``encode_async``) encoded behind; waits
+        while the queue is full."""
         self._collect()  # finished stores leave the queue; the first error among them is raised here
         while len(self._queued) >= self.depth + self.workers - 1:
             wait(self._queued, return_when=FIRST_COMPLETED)
@@ -89,12 +94,14 @@ class WriteBehind:
         for future in done:
             future.result()
 
-    def _store(self, ticket: int, encoded: EncodedSamples) -> None:
+    def _store(self, ticket: int, encoded: EncodedSamples | PendingSamples) -> None:
         with self._turn:
             self._turn.wait_for(lambda: self._buffered == ticket)
         try:
             if self._failed:
                 return
+            if isinstance(encoded, PendingSamples):  # the device's copy, then the entries' checks
+                encoded = encoded.result()
             _, full = self.writer.buffer(encoded)
         except BaseException:
             self._failed = True

@@ -42,7 +42,8 @@ import zarr
 
 from megatron_kd.cache.binding import PartitionBindings
 from megatron_kd.cache.codec import CacheBusyError, CacheError, CacheWriteError
-from megatron_kd.cache.encodings import CODECS, SAMPLED_COUNTS_V1, array_specs, default_codec, encode_rows, encoding_field
+from megatron_kd.cache.encodings import (CODECS, SAMPLED_COUNTS_V1, PendingRows, array_specs, default_codec, encode_rows,
+                                         encoding_field)
 from megatron_kd.cache.meta import ATTR_KEY, METADATA_KEYS, MODES, CacheMeta
 from megatron_kd.cache.store import (
     ARRAYS,
@@ -134,6 +135,20 @@ class EncodedSamples:
     rows: np.ndarray  # [n] int64: the samples' rows in this partition
     ids: np.ndarray  # [n, seq_length, K]: the ids array's values
     values: np.ndarray  # [n, seq_length, K]: the logprobs array's values
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingSamples:
+    """``CacheWriter.encode_async``'s samples: their rows, and their encoded values on the way to the host."""
+
+    rows: np.ndarray
+    shape: tuple[int, int, int]
+    pending: PendingRows
+
+    def result(self) -> EncodedSamples:
+        """The encoded samples; raises CacheError naming the first sample if their entries are bad."""
+        ids, values = self.pending.result()
+        return EncodedSamples(self.rows, ids.reshape(self.shape), values.reshape(self.shape))
 
 
 class CacheWriter:
@@ -307,6 +322,11 @@ class CacheWriter:
         """The first half of ``write``: check the samples (shape, partition, entries) and encode
         them on the tensors' device, then copy to host. Touches no state: ``store`` may run on
         another thread (write_behind.py) while the next micro-batch is encoded."""
+        return self.encode_async(sample_idx, topk_ids, topk_logprobs).result()
+
+    def encode_async(self, sample_idx, topk_ids, topk_logprobs) -> "PendingSamples":
+        """``encode`` without waiting for the tensors' device: the shapes and the partition are
+        checked now, the entries by ``PendingSamples.result`` once their copy has reached the host."""
         self._check_open()
         indices = np.atleast_1d(np.asarray(sample_idx, dtype=np.int64))
         expect = (len(indices), self.meta.seq_length, self.meta.topk)
@@ -317,11 +337,10 @@ class CacheWriter:
                              f"{tuple(topk_logprobs.shape)} must be {expect} (seq_length={self.meta.seq_length}, "
                              f"K={self.meta.topk})")
         rows = np.array([self._row(int(sample)) for sample in indices], np.int64)
-        ids, values = encode_rows(self.meta.codec, topk_ids, topk_logprobs, vocab_size=self.meta.vocab_size,
-                                  draws=self.meta.sampled_draws,
-                                  where=f"sample {indices[0]}{'..' if len(indices) > 1 else ''}: ")
-        shape = (len(indices), self.meta.seq_length, self.meta.topk)
-        return EncodedSamples(rows, ids.reshape(shape), values.reshape(shape))
+        pending = encode_rows(self.meta.codec, topk_ids, topk_logprobs, vocab_size=self.meta.vocab_size,
+                              draws=self.meta.sampled_draws,
+                              where=f"sample {indices[0]}{'..' if len(indices) > 1 else ''}: ")
+        return PendingSamples(rows, (len(indices), self.meta.seq_length, self.meta.topk), pending)
 
     def store(self, encoded: EncodedSamples) -> int:
         """The second half of ``write``: buffer encoded samples and write each shard they fill.

@@ -144,8 +144,9 @@ def sample_row_keys(seed: int, sample_ids: torch.Tensor, seq_length: int) -> tor
     """int64 [seq_length, b]: the key of position p of global sample ``sample_ids[i]`` (sequence-
     first, as the teacher's hidden states are), a hash of (seed, sample index, position) alone."""
     sample_ids = torch.as_tensor(sample_ids, dtype=torch.int64)
+    # torch.full, not torch.tensor: no host-to-device copy, which would wait for the GPU
     state = _absorb(torch.zeros((), dtype=torch.int64, device=sample_ids.device),
-                    torch.tensor(int(seed), dtype=torch.int64, device=sample_ids.device))
+                    torch.full((), int(seed), dtype=torch.int64, device=sample_ids.device))
     state = _absorb(state, sample_ids).unsqueeze(0)  # [1, b]
     positions = torch.arange(seq_length, dtype=torch.int64, device=sample_ids.device).unsqueeze(1)
     return _absorb(state, positions)  # [s, b]

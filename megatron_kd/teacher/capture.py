@@ -67,22 +67,33 @@ def _broadcast_pending(writer, tp_group, device) -> np.ndarray:
     return pending.cpu().numpy()
 
 
-def _entries(hidden, weight, keep, samples, cfg: CaptureConfig, tp_group, vocab_size, device):
+def _to_device(array, device) -> torch.Tensor:
+    """A host array on ``device`` without waiting for it: a copy from pageable memory synchronizes
+    the host with the GPU (torch's ``copy_``), one from pinned memory queues behind the forward."""
+    tensor = torch.as_tensor(array)
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _entries(hidden, weight, kept, samples, cfg: CaptureConfig, tp_group, vocab_size, device):
     """(ids, logprobs) [s, b, K] of the micro-batch's hidden states [s, b, h]: the top-K or the draws at
-    every position, or (``keep`` bool [s, b]) only at the kept ones, padding (-1, -inf) elsewhere."""
+    every position, or (``kept``: the (position, sample) index tensors of the kept tokens) only at the
+    kept ones, padding (-1, -inf) elsewhere. Index tensors, not a boolean mask: a mask's indexing waits
+    for the GPU to count it."""
     s, b = hidden.shape[:2]
-    rows = hidden if keep is None else hidden[keep]  # [n, h]: the LM head runs on the kept tokens only
+    rows = hidden if kept is None else hidden[kept]  # [n, h]: the LM head runs on the kept tokens only
     kw = dict(tp_group=tp_group, vocab_size=vocab_size, temperature=cfg.temperature, chunk_size=cfg.chunk_size)
     if cfg.mode == "topk":
         ids, lps = vocab_parallel_topk(rows, weight, cfg.topk, **kw)
     else:
-        keys = sample_row_keys(cfg.seed, torch.as_tensor(samples, dtype=torch.int64, device=device), s)
-        ids, lps = vocab_parallel_sample(rows, weight, cfg.topk, row_keys=keys if keep is None else keys[keep], **kw)
-    if keep is None:
+        keys = sample_row_keys(cfg.seed, _to_device(np.asarray(samples, np.int64), device), s)
+        ids, lps = vocab_parallel_sample(rows, weight, cfg.topk, row_keys=keys if kept is None else keys[kept], **kw)
+    if kept is None:
         return ids, lps
     full_ids = torch.full((s, b, cfg.topk), -1, dtype=ids.dtype, device=ids.device)
     full_lps = torch.full((s, b, cfg.topk), float("-inf"), dtype=lps.dtype, device=lps.device)
-    full_ids[keep], full_lps[keep] = ids, lps
+    full_ids[kept], full_lps[kept] = ids, lps
     return full_ids, full_lps
 
 
@@ -109,18 +120,21 @@ def capture_teacher(teacher, dataset, writer, cfg: CaptureConfig, *, device=None
         for i in range(0, len(pending), mbs):
             samples = pending[i:i + mbs]
             items = [dataset[int(s)] for s in samples]
-            tokens = torch.stack([torch.as_tensor(x["tokens"]) for x in items]).to(device)
-            position_ids = torch.stack([torch.as_tensor(x["position_ids"]) for x in items]).to(device)
+            # nothing in this loop waits for the GPU: micro-batch i + 1's forward is queued while
+            # micro-batch i's still runs
+            tokens = _to_device(np.stack([np.asarray(x["tokens"]) for x in items]), device)
+            position_ids = _to_device(np.stack([np.asarray(x["position_ids"]) for x in items]), device)
             hidden, weight = teacher(tokens, position_ids)  # [s, b, h]
-            keep = None
+            kept, kept_tokens = None, tokens.numel()
             if cfg.masked:  # [s, b], the same on every TP rank (the same samples)
-                keep = torch.stack([torch.as_tensor(x["loss_mask"]) for x in items]).to(device).t() > 0
-            ids, lps = _entries(hidden, weight, keep, samples, cfg, tp_group, teacher.vocab_size, device)
+                keep = np.stack([np.asarray(x["loss_mask"]) for x in items]).T > 0
+                kept, kept_tokens = tuple(_to_device(i, device) for i in np.nonzero(keep)), int(keep.sum())
+            ids, lps = _entries(hidden, weight, kept, samples, cfg, tp_group, teacher.vocab_size, device)
             # [b, s, K], left on the device: the writer encodes (sorts, validates) them there
             ids, lps = ids.transpose(0, 1), lps.transpose(0, 1)
             if is_writer:
                 behind.submit(samples, ids, lps)
-            tokens_done += ids.shape[0] * ids.shape[1] if keep is None else int(keep.sum())
+            tokens_done += kept_tokens
             mass_sum = mass_sum + lps.double().exp().sum()  # on the device: no sync per micro-batch
             elapsed = time.perf_counter() - start
             bar.update(len(samples))

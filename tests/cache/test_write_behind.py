@@ -3,10 +3,11 @@
 The store is byte-identical to ``CacheWriter.write``'s for any queue depth, micro-batch size,
 number of workers and codec, whatever order the workers' shards finish in; a shard's rows are
 marked done only once that shard is on disk and bound, and one that never finishes leaves its rows
-pending for a resumed pass (same bytes again); bad entries raise on the caller's thread at the
-micro-batch that holds them, before anything of it is queued; an error on a worker (a shard's
-record that cannot be written) is raised by ``drain`` or the next ``submit`` as the writer's own
-one-line CacheWriteError, and leaves the store resumable.
+pending for a resumed pass (same bytes again); bad entries, checked on a worker once their copy
+reaches the host, are raised by the next ``submit`` or ``drain`` and nothing of their micro-batch
+or after it is stored; an error on a worker (a shard's record that cannot be written) is raised by
+``drain`` or the next ``submit`` as the writer's own one-line CacheWriteError, and leaves the store
+resumable.
 """
 
 from __future__ import annotations
@@ -152,22 +153,28 @@ def test_an_interrupted_parallel_pass_resumes_to_the_same_bytes(tmp_path, monkey
     assert _tree_bytes(path) == reference
 
 
-def test_bad_entries_raise_at_their_micro_batch(tmp_path):
+def test_bad_entries_raise_by_a_later_submit_or_drain(tmp_path):
+    """A micro-batch with a NaN log-prob: ``submit`` does not wait to read the device's checks, so a
+    later ``submit`` (once a worker has checked it) or ``drain`` raises the writer's one-line
+    CacheError naming its first sample; the micro-batch before it is stored, nothing of it or after
+    it."""
     writer = _open(tmp_path / "c", 0)
     batches = list(_micro_batches(writer, 2))
-    with WriteBehind(writer) as behind:
-        behind.submit(*batches[0])
-        samples, ids, lps = batches[1]
-        lps[1, 5, 0] = float("nan")
-        with pytest.raises(CacheError, match="NaN") as info:
+    samples, ids, lps = batches[1]
+    lps[1, 5, 0] = float("nan")
+    with pytest.raises(CacheError, match="NaN") as info:
+        with WriteBehind(writer) as behind:
+            behind.submit(*batches[0])
             behind.submit(samples, ids, lps)
-        assert "\n" not in str(info.value) and f"sample {samples[0]}" in str(info.value)
-        assert len(behind._queued) <= 1  # only the good micro-batch was queued
+            behind.submit(*batches[2])
+            behind.drain()
+    assert "\n" not in str(info.value) and f"sample {samples[0]}" in str(info.value)
     writer.close()
     # the good micro-batch is in the writer's buffers (its shard not yet full): closing wrote it
     again = _open(tmp_path / "c", 0)
     assert not np.isin(batches[0][0], again.pending_samples()).any()
     assert np.isin(samples, again.pending_samples()).all()
+    assert np.isin(batches[2][0], again.pending_samples()).all()
     again.close()
 
 
