@@ -8,7 +8,7 @@ sort, the codes and the entries' checks launched on the tensors' device, and the
 host memory queued behind them) and never waits for the device: the caller goes on to launch the
 next forward while the GPU still runs this one, so the GPU's queue never drains between
 micro-batches. A worker waits for the copy, checks the entries and stores them. Bad entries (NaN
-log-probs, ids out of range) are therefore raised by the next ``submit`` or by ``drain``, naming
+log-probs, ids out of range) are therefore raised by a later ``submit`` or by ``drain``, naming
 the micro-batch's first sample; nothing of that micro-batch or after it is stored.
 
 Each queued micro-batch is one task: it places its rows in their shards' buffers
