@@ -103,3 +103,10 @@ def loss_and_grads(fn, x: LossInputs, *, weight=None, hidden=None, grad_scale: f
     loss, stats = fn(hidden, weight, x.topk_ids, x.topk_logprobs, **kw)
     (loss * grad_scale).backward()
     return loss.detach(), stats, hidden.grad, weight.grad
+
+
+def encode_topk_v1(ids, logprobs, vocab_size: int):
+    """(id deltas uint32, codes uint16) of the topk-v1 encoding, checked, as the cache writer makes them."""
+    from megatron_kd.cache.encodings import TOPK_V1, encode_rows
+
+    return encode_rows(TOPK_V1, ids, logprobs, vocab_size=vocab_size, draws=0).result()

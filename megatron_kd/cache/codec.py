@@ -41,22 +41,13 @@ class CacheWriteError(CacheError):
     """The writer cannot write (read-only store, permissions, a full disk): the cache may be fine."""
 
 
-def sorted_entries(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, logprobs) [..., K] -> (ids int64, logprobs float32, valid bool) [..., K] with each
-    token's valid entries sorted by id and padding last; validates the entries (``sort_entries``,
-    then its checks read at once: one device-to-host copy)."""
-    sorted_ids, sorted_lps, sorted_valid, checks = sort_entries(ids, logprobs, vocab_size, where=where)
-    checks.verify(checks.stats.tolist() if checks.stats is not None else [])
-    return sorted_ids, sorted_lps, sorted_valid
-
-
 class EntryChecks:
     """What ``sort_entries`` checks, left on the device: ``stats`` (float64: the lowest and highest
     id, whether any log-prob is NaN or +inf, the largest finite one, whether an id repeats within a
-    token), which ``verify`` reads once they are on the host (a teacher pass copies them behind its
-    queued work: write_behind.py)."""
+    token; empty without entries), which ``verify`` reads once they are on the host (a teacher pass
+    copies them behind its queued work: write_behind.py)."""
 
-    def __init__(self, stats: torch.Tensor | None, repeated: torch.Tensor, vocab_size: int, where: str):
+    def __init__(self, stats: torch.Tensor, repeated: torch.Tensor, vocab_size: int, where: str):
         self.stats, self.repeated, self.vocab_size, self.where = stats, repeated, vocab_size, where
 
     def verify(self, stats: list[float]) -> None:
@@ -80,8 +71,9 @@ class EntryChecks:
 
 
 def sort_entries(ids, logprobs, vocab_size: int, *, where: str = ""):
-    """``sorted_entries`` without waiting for the device: (ids, logprobs, valid, EntryChecks), the
-    checks still to be verified.
+    """(ids, logprobs) [..., K] -> (ids int64, logprobs float32, valid bool) [..., K] with each
+    token's valid entries sorted by id and padding last, and their ``EntryChecks``, still to be
+    verified: nothing here waits for the device.
 
     Padding is id -1 or log-prob -inf. The checks find ids outside [-1, vocab_size), ids repeated
     within a token, NaN / +inf / positive log-probs. Tensors are sorted on their own device (a
@@ -105,7 +97,7 @@ def sort_entries(ids, logprobs, vocab_size: int, *, where: str = ""):
     sorted_lps = torch.gather(lps, -1, order)
     sorted_valid = sorted_ids < big
     repeated = (torch.diff(sorted_ids, dim=-1) == 0) & sorted_valid[..., 1:]
-    stats = None
+    stats = torch.empty(0, dtype=torch.float64, device=ids.device)
     if ids.numel():  # every check in one tensor: one device-to-host copy
         stats = torch.stack([
             ids.min().double(), ids.max().double(), lps.isnan().any().double(), lps.isposinf().any().double(),
@@ -121,13 +113,6 @@ def logprob_codes(sorted_lps: torch.Tensor) -> torch.Tensor:
     return torch.round(-sorted_lps.double() * LOGPROB_SCALE).clamp_(0, MAX_CODE).to(torch.int32)
 
 
-def encode_topk(ids, logprobs, vocab_size: int, *, where: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(ids, logprobs) [..., K] -> (id_deltas uint32, codes uint16) [..., K] of the topk-v1 encoding;
-    validates the entries (``sorted_entries``). Only the codes come to the host."""
-    deltas, codes = topk_deltas_and_codes(*sorted_entries(ids, logprobs, vocab_size, where=where))
-    return deltas.cpu().numpy().astype(np.uint32), codes.cpu().numpy().astype(np.uint16)
-
-
 def topk_deltas_and_codes(sorted_ids, sorted_lps, sorted_valid) -> tuple[torch.Tensor, torch.Tensor]:
     """The topk-v1 values of sorted entries, on their device: (id deltas int64, codes int32)."""
     # running sums of these give the sorted ids, then -1 from the first padding entry on
@@ -139,7 +124,7 @@ def topk_deltas_and_codes(sorted_ids, sorted_lps, sorted_valid) -> tuple[torch.T
 
 
 def decode_topk(id_deltas: np.ndarray, codes: np.ndarray, *, ids_dtype=torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``encode_topk``: torch (ids [..., K] with -1 padding, float32 log-probs with -inf)."""
+    """Inverse of the topk-v1 encoding (``topk_deltas_and_codes``, as uint32 / uint16): torch (ids [..., K] with -1 padding, float32 log-probs with -inf)."""
     deltas = torch.from_numpy(np.ascontiguousarray(id_deltas).view(np.int32))  # ids < 2^31
     ids = torch.cumsum(deltas, dim=-1, dtype=ids_dtype)
     return ids, torch.from_numpy(code_logprobs(codes))

@@ -233,14 +233,11 @@ class _DrawCountChecks:
 
     def __init__(self, entries, far: torch.Tensor, uneven: torch.Tensor, draws: int):
         self.entries, self.far, self.uneven, self.draws = entries, far, uneven, draws
-        if entries.stats is None:
-            self.stats = None
-        else:
-            self.stats = torch.cat([entries.stats, torch.stack([far.any(), uneven.any()]).double()])
+        self.stats = torch.cat([entries.stats, torch.stack([far.any(), uneven.any()]).double()])
 
     def verify(self, stats: list[float]) -> None:
         self.entries.verify(stats[:-2])
-        if stats and (stats[-2] or stats[-1]):
+        if stats[-2] or stats[-1]:
             tok = tuple(torch.nonzero(self.far.any(-1) | self.uneven)[0].tolist())
             raise CacheError(f"{self.entries.where}topk_logprobs of token {tok} are not log(count / {self.draws}) of "
                              f"counts summing to sampled_draws={self.draws}; a sampled cache stores draw counts "
@@ -258,8 +255,8 @@ class PendingRows:
         tensors = (ids, values, checks.stats)
         self._event = None
         if ids.is_cuda:
-            tensors = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(
-                t, non_blocking=True) for t in tensors)
+            tensors = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                            for t in tensors)
             self._event = torch.cuda.Event()
             self._event.record()
         self._ids, self._values, self._stats = tensors
@@ -268,7 +265,7 @@ class PendingRows:
         """The (ids, logprobs) arrays' values; raises CacheError if the entries are bad."""
         if self._event is not None:
             self._event.synchronize()
-        self._checks.verify(self._stats.tolist() if self._stats is not None else [])
+        self._checks.verify(self._stats.tolist())
         (ids_dtype, values_dtype) = self._dtypes
         return (self._ids.numpy().astype(ids_dtype, copy=False), self._values.numpy().astype(values_dtype, copy=False))
 

@@ -29,9 +29,9 @@ import torch
 import torch.multiprocessing as mp
 import zarr
 
-from kd_inputs import teacher_topk
+from kd_inputs import encode_topk_v1, teacher_topk
 from megatron_kd.cache import CacheError, CacheReader, CacheWriter, PartitionLayout
-from megatron_kd.cache.codec import LOGPROB_SCALE, MAX_CODE, decode_topk, encode_topk
+from megatron_kd.cache.codec import LOGPROB_SCALE, MAX_CODE, decode_topk
 from megatron_kd.cache.inspect import inspect, verify
 from megatron_kd.cli import main as cli_main
 
@@ -79,12 +79,12 @@ def assert_same_topk(got_ids, got_lps, ids, lps):
 
 def test_codec_round_trip_and_precision(seed):
     ids, lps = teacher_topk(500, 201_088, 100, zipf=1.0)
-    got_ids, got_lps = decode_topk(*encode_topk(ids, lps, 201_088))
+    got_ids, got_lps = decode_topk(*encode_topk_v1(ids, lps, 201_088))
     assert_same_topk(got_ids, got_lps, ids, lps)
     # the fixed-point step keeps every probability >= 2^-30 within 2^-9 relative, with margin
     deep = torch.linspace(-30 * np.log(2), 0, 10_000).view(100, 100).float()
     deep_ids = torch.arange(10_000).view(100, 100)  # already sorted per token: entries keep their order
-    _, back = decode_topk(*encode_topk(deep_ids, deep, 20_000))
+    _, back = decode_topk(*encode_topk_v1(deep_ids, deep, 20_000))
     assert (back.double() - deep.double()).abs().max() <= 0.5 / 257 + 1e-6
 
 
@@ -544,7 +544,7 @@ def test_codec_precision_down_to_the_documented_floor(seed):
                            rng.uniform(limit + 1e-4, 0, 100 * 100 - 10)]).astype(np.float32)
     lps = torch.from_numpy(deep).view(100, 100)
     ids = torch.arange(100 * 100).view(100, 100)  # sorted per token: entries keep their order
-    deltas, codes = encode_topk(ids, lps, 20_000)
+    deltas, codes = encode_topk_v1(ids, lps, 20_000)
     stored = -codes.astype(np.float64) / LOGPROB_SCALE
     assert np.abs(stored - lps.double().numpy()).max() <= 0.5 / LOGPROB_SCALE + 1e-9
     assert np.expm1(np.abs(stored - lps.double().numpy())).max() < 2**-9
@@ -554,7 +554,7 @@ def test_codec_precision_down_to_the_documented_floor(seed):
     assert (back.double() - lps.double()).abs().max() <= 0.5 / LOGPROB_SCALE + 2**-16
 
     below = torch.tensor([[-255.0, -255.5, -300.0, -1e4, -3e38, float("-inf")]])
-    below_ids, below_back = decode_topk(*encode_topk(torch.arange(6).view(1, 6), below, 10))
+    below_ids, below_back = decode_topk(*encode_topk_v1(torch.arange(6).view(1, 6), below, 10))
     floor = np.float32(-MAX_CODE / LOGPROB_SCALE)
     assert below_back[0, :5].tolist() == [floor] * 5 and below_ids[0, :5].tolist() == [0, 1, 2, 3, 4]
     assert below_ids[0, 5] == -1 and below_back[0, 5] == float("-inf")  # -inf stays padding

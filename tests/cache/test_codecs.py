@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from kd_inputs import sampled_rows, teacher_topk
+from kd_inputs import encode_topk_v1, sampled_rows, teacher_topk
 from megatron_kd.cache import CacheError, CacheReader, CacheWriter
 from megatron_kd.cache import entry_codecs as ec
-from megatron_kd.cache.codec import PAD_CODE, decode_topk, encode_topk
+from megatron_kd.cache.codec import PAD_CODE, decode_topk
 from megatron_kd.cache.encodings import TOPK_V1_ENCODING, default_codec
 from megatron_kd.cache.inspect import inspect, store_bytes, verify
 from megatron_kd.cache.streams import pack_streams, plane_streams, read_planes, unpack_streams
@@ -105,7 +105,7 @@ def test_topk_v2_decodes_topk_v1_values(tmp_path, seed):
     lps[1, 3] = -600.0  # below it: stored as the floor
     ids[2, k // 2:] = -1
     ids[3], lps[3] = -1, float("-inf")
-    v1_ids, v1_lps = decode_topk(*encode_topk(ids, lps, vocab))
+    v1_ids, v1_lps = decode_topk(*encode_topk_v1(ids, lps, vocab))
     with CacheWriter(tmp_path / "c", vocab_size=vocab, topk=k, seq_length=seq, num_samples=1, codec="topk-v2") as w:
         w.write(0, ids, lps)
     reader = CacheReader(tmp_path / "c")
@@ -162,7 +162,7 @@ def test_topk_v1_store_of_before_reads_exactly(tmp_path):
     assert reader.meta.codec == "topk-v1" and reader.meta.encoding == TOPK_V1_ENCODING
     assert reader.meta.store_id == "c02096733f82d4702ed28abf08b27029"  # the digest of before
     got_ids, got_lps = reader.read(np.arange(3))
-    want_ids, want_lps = decode_topk(*encode_topk(ids, lps, 50))
+    want_ids, want_lps = decode_topk(*encode_topk_v1(ids, lps, 50))
     assert torch.equal(got_ids, want_ids) and torch.equal(got_lps, want_lps)
     assert verify(FIXTURE / "store", progress=False)["ok"]
     assert inspect(FIXTURE / "store", progress=False)["codec"] == "topk-v1"
