@@ -2,7 +2,8 @@
 the teacher's cache, against cross-entropy training and online KD for the same steps.
 
     python benchmarks/bench_heal.py --size cpu --out /tmp/heal          # the CPU preset, ~4 minutes
-    python benchmarks/bench_heal.py --size gpu --out runs/heal          # one H200
+    python benchmarks/bench_heal.py --size gpu --out runs/heal          # one H200, ~10 minutes
+    python benchmarks/bench_heal.py --size gpu --out runs/heal --resume # after a stop
 
 Stages 1-4 are bench_fidelity.py's (``Bench``, its presets with ``HEAL_PRESETS``' changes): the
 corpus of the installed Python's text files, a byte-level BPE, a megatron-core GPT teacher trained
@@ -89,28 +90,32 @@ class HealBench(Bench):
                                                if isinstance(v, torch.Tensor) and not k.endswith("_extra_state"))}
 
     def heal(self, levels: dict[str, float], variants: list, calib_samples: int) -> dict:
+        """Every level's cut and healing runs; what a stopped run finished (``resume``) is kept: its
+        teacher, caches, and each level's start and finished variants."""
         self.work.mkdir(parents=True, exist_ok=True)
         self.build_data()
         self.train_teacher()
         resolved = self.build_caches(variants)
         scores = self.calibrate(min(calib_samples, self.p.student_steps * self.p.micro_batch_size))
         teacher_ce = self.results["teacher"]["heldout_ce"]
-        self.results["levels"] = {}
+        done = self.results.setdefault("levels", {})
         for name, keep in levels.items():
             arch, state, info = self.cut(scores, keep)
             self.start = (arch, state)
-            before = self.heldout(self.new_student(), teacher=self.teacher)
+            level = done.get(name)
+            if level is None or any(level[k] != info[k] for k in ("layers", "ffn_hidden_size")):  # not this cut
+                before = self.heldout(self.new_student(), teacher=self.teacher)
+                level = done[name] = {"keep": keep, "arch": asdict(arch), **info, "before": before,
+                                      "gap": before["ce"] - teacher_ce, "variants": {}}
+            before = level["before"]
             self.log(f"{name} cut: layers {info['layers']}, MLP width {info['ffn_hidden_size']}, "
                      f"{info['parameters']:,} parameters; before healing: held-out cross-entropy {before['ce']:.4f}, "
                      f"KL {before['kl']:.4f} (teacher {teacher_ce:.4f})")
-            self.results["variants"] = {}
+            self.results["variants"] = level["variants"]  # train_student records (and resumes) here
             for v in resolved:
                 self.train_student(v)
-            gap = before["ce"] - teacher_ce
-            healed = {k: {**r, "gap_closed": (before["ce"] - r["heldout_ce"]) / gap if gap > 0 else float("nan")}
-                      for k, r in self.results["variants"].items()}
-            self.results["levels"][name] = {"keep": keep, "arch": asdict(arch), **info, "before": before,
-                                            "gap": gap, "variants": healed}
+            for r in level["variants"].values():
+                r["gap_closed"] = (before["ce"] - r["heldout_ce"]) / level["gap"] if level["gap"] > 0 else float("nan")
         del self.results["variants"]
         self.tb.close()
         self.results["goal"] = heal_goal(self.results)
@@ -163,17 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calib-samples", type=int, default=64)
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="preset field overrides")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue a run stopped in --out with the same settings (teacher, caches, finished "
+                             "students kept)")
     opts = parser.parse_args(argv)
     overrides = {**HEAL_PRESETS.get(opts.size, {}), **preset_overrides(opts.set)}
     overrides["student_lr"] = opts.lr if opts.lr is not None else \
         overrides.get("student_lr", PRESETS[opts.size].student_lr) / 3
     preset, variants, device, autocast, out = _setup(opts.size, opts.out, opts.variants.split(","), opts.dtype,
                                                      overrides)
-    for stale in (out / "work", out / "tensorboard"):  # datasets, caches and curves are rebuilt
-        shutil.rmtree(stale, ignore_errors=True)
-    (out / "results.partial.json").unlink(missing_ok=True)
+    bench = HealBench(preset, out, device, autocast, lambda m: print(m, flush=True))
+    if not (opts.resume and bench.resume()):
+        for stale in (out / "work", out / "tensorboard"):  # datasets, caches and curves are rebuilt
+            shutil.rmtree(stale, ignore_errors=True)
+        (out / "results.partial.json").unlink(missing_ok=True)
     _start_process(preset, device)
-    bench = HealBench(preset, out, device, autocast, print)
     results = bench.heal({k: LEVELS[k] for k in opts.levels.split(",")}, variants, opts.calib_samples)
     shutil.rmtree(out / "work")
     (out / "results.partial.json").unlink(missing_ok=True)

@@ -34,3 +34,27 @@ def test_heal_from_a_cut_teacher(tmp_path):
     assert set(results["goal"]["ratios"]["heavy"]) == {"top8-renorm"}
     md = bench_heal.markdown({**results, "preset_name": "tiny"})
     assert "| pruned, before healing |" in md and "| top8-renorm |" in md
+
+
+def test_resume_keeps_what_a_stopped_run_finished(tmp_path):
+    """A run stopped after its first level (results.partial.json and OUT/work kept) resumes where it
+    stopped: the teacher loads, the finished level's numbers stay as they were, only the rest trains."""
+    def bench(log):
+        preset, variants, device, autocast, out = bench_fidelity._setup(
+            "cpu", tmp_path, ["ce", "top8-renorm"], "auto", TINY)
+        bench_fidelity._start_process(preset, device)
+        return bench_heal.HealBench(preset, out, device, autocast, log), variants
+
+    first, variants = bench(lambda msg: None)
+    light = first.heal({"light": 0.5}, variants, calib_samples=8)["levels"]["light"]
+    lines = []
+    second, variants = bench(lines.append)
+    assert second.resume()
+    results = second.heal({"light": 0.5, "heavy": 0.5 + 1e-9}, variants, calib_samples=8)
+    assert any("teacher: loaded" in line for line in lines)
+    assert not any(line.split("] ", 1)[-1].startswith("cache ") for line in lines)  # caches kept
+    trained = [line for line in lines if "held-out cross-entropy" in line and "ms/step" in line]
+    assert len(trained) == 2, trained  # the second level's two variants only
+    kept = results["levels"]["light"]["variants"]
+    assert {k: r["heldout_ce"] for k, r in kept.items()} == {k: r["heldout_ce"] for k, r in light["variants"].items()}
+    assert set(results["levels"]["heavy"]["variants"]) == {"ce", "top8-renorm"}

@@ -51,8 +51,13 @@ _CUDA_BLOCK_BYTES = 256 * _MiB
 # peak. So the op stays within the allowance above its inputs, gradients and that tensor. Measured
 # on an H200 at T = 32K, h = 2880, V = 201,088 (benchmarks/RESULTS.md): 1280-token chunks 207 ms,
 # 2048 194 ms, 2752 (12 chunks) 185-187 ms, 4096 (8) 182.9 ms, 8192 (4) 178.0 ms.
-_CUDA_TRITON_MIN_BLOCK_BYTES = 256 * _MiB
 _TRITON_BLOCK_ALLOWANCE = 512 * _MiB
+# ... but never fewer rows than this, however much the call holds: that read-modify-write (8·V·h
+# bytes) against the chunk's three GEMMs (6·c·V·h FLOPs) costs ~210/c of the GEMM time on an H200
+# (~700 TFLOP/s over ~4.3 TB/s), ~5% at 4,096 rows. Long inputs hold the most besides the block
+# ([T, K] teacher terms): at T = 256K, h = 3072, V = 128,256 the allowance alone left 2,048-row
+# chunks, 1.123x the GEMM floor where 32K ran at 1.071x (benchmarks/RESULTS.md, 2026-12-02).
+_TRITON_MIN_CHUNK_ROWS = 4096
 # What the call holds besides the block and its per-row buffers: per teacher entry ([T, K] ids,
 # masks and targets, and the teacher terms' temporaries) and per token (losses, weights, labels).
 # Measured on an H200 at T = 32K, K = 100: 90 MB besides the block, 27 bytes per entry.
@@ -61,13 +66,13 @@ _HELD_BYTES_PER_TOKEN = 64
 _CPU_BLOCK_BYTES = 32 * _MiB
 
 
-def triton_block_budget(gradient: int, num_tokens: int, k: int, *, divergence: str = "forward") -> int:
+def triton_block_budget(gradient: int, num_tokens: int, k: int, *, row_bytes: int, divergence: str = "forward") -> int:
     """Bytes for the CUDA (Triton) path's block and per-row buffers, given the bytes of one weight
-    gradient in the weight's dtype (also ``megatron-kd plan``'s model of the loss). Reverse / jsd
-    hold one more fp32 [T, K] teacher tensor (log P_v)."""
+    gradient in the weight's dtype and of one block row with its buffers (also ``megatron-kd
+    plan``'s model of the loss). Reverse / jsd hold one more fp32 [T, K] teacher tensor (log P_v)."""
     per_entry = _HELD_BYTES_PER_ENTRY + (4 if divergence != "forward" else 0)
     held = num_tokens * (k * per_entry + _HELD_BYTES_PER_TOKEN)
-    return max(_CUDA_TRITON_MIN_BLOCK_BYTES, gradient + _TRITON_BLOCK_ALLOWANCE - held)
+    return max(_TRITON_MIN_CHUNK_ROWS * row_bytes, gradient + _TRITON_BLOCK_ALLOWANCE - held)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -192,13 +197,15 @@ def topk_kl_forward(
     # plus a low-precision copy of G for mixed-precision GEMMs.
     block_dtype = hidden.dtype if use_triton else acc
     gemm_dtype = hidden.dtype if (mixed or use_triton) else acc
+    # Triton: a chunk's fp32 grad_h (then its σ-scaled h), and its per-row statistics
+    row_extra = h2d.shape[1] * acc.itemsize + 4 * ids2d.shape[1] if use_triton else 0
     chunk = opts.chunk_size or auto_chunk_size(
         num_tokens, vocab_local, device=hidden.device, block_dtype=block_dtype, gemm_dtype=gemm_dtype,
         extra_block=has_labels and tau != 1.0 and not use_triton,
         budget_bytes=triton_block_budget(weight.numel() * weight.element_size(), num_tokens, ids2d.shape[1],
+                                         row_bytes=vocab_local * block_dtype.itemsize + row_extra,
                                          divergence=opts.divergence) if use_triton else None,
-        # Triton: a chunk's fp32 grad_h (then its σ-scaled h), and its per-row statistics
-        row_extra_bytes=h2d.shape[1] * acc.itemsize + 4 * ids2d.shape[1] if use_triton else 0,
+        row_extra_bytes=row_extra,
     )
     # CPU with bf16/fp16 inputs: one upcast copy of the shard (no mixed-precision GEMMs there).
     w_gemm = weight if gemm_dtype == weight.dtype else weight.to(acc)
