@@ -61,7 +61,7 @@ def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
 
 def keep_along(t: torch.Tensor, dim: int, index) -> torch.Tensor:
     """The entries ``index`` of ``t`` along ``dim``, as a tensor of its own (what a cut writes)."""
-    return t.index_select(dim, torch.as_tensor(index)).contiguous()
+    return t.index_select(dim, torch.as_tensor(index, device=t.device)).contiguous()
 
 
 def _per_expert(t: torch.Tensor, dim: int, channels: list[list[int]], interleaved: bool = False) -> torch.Tensor:

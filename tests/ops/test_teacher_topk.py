@@ -69,3 +69,26 @@ def test_triton_topk_lane_holding_three_of_the_top_values(seed):
     assert torch.equal(ids.cpu(), ref.indices.cpu())
     assert (lps.double().cpu() - ref.values.cpu()).abs().max().item() <= 1e-5
     assert ids[:, :3].tolist() == [[0, 4096, 8192]] * 2
+
+
+def test_triton_topk_flat_top_keeps_the_values_above_the_ties(seed):
+    """More values tie at the K-th largest than the candidate list holds, below a few distinct
+    larger ones (rows found by bisection in the kernel): the larger ones come first, exactly, and
+    the rest of the K are distinct columns of the tie."""
+    vocab, k = 5000, 8
+    logits = torch.randn(2, vocab, dtype=torch.float64) - 10.0
+    ties = torch.randperm(vocab)[:1500]  # 1,500 > the kernel's 512 candidates at K = 8
+    logits[:, ties] = 0.0
+    above = ties[:5]
+    logits[:, above] = torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0], dtype=torch.float64)
+    hidden = torch.zeros(2, 16, device=DEVICE)
+    hidden[:, 0] = 1.0
+    weight = torch.zeros(vocab, 16, device=DEVICE)
+    weight[:, 0] = logits[0].float().to(DEVICE)
+    ids, lps = vocab_parallel_topk(hidden, weight, k, impl="triton")
+    ref = _full_topk(hidden, weight, k)
+    assert (lps.double().cpu() - ref.values.cpu()).abs().max().item() <= 1e-5
+    assert ids[:, :5].cpu().tolist() == [above.tolist()] * 2
+    tied = set(ties[5:].tolist())
+    for row in ids[:, 5:].cpu().tolist():
+        assert len(set(row)) == 3 and set(row) <= tied

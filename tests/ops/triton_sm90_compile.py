@@ -39,7 +39,7 @@ def compile_sm90(fn, types: dict, constexprs: dict, num_warps: int):
 def main():
     compile_sm90(
         topk_candidates_kernel,
-        {"z_ptr": "*fp32", "z_stride": "i64", "max_ptr": "*fp32", "sumexp_ptr": "*fp32", "count_ptr": "*i32",
+        {"z_ptr": "*fp32", "z_stride": "i64", "max_ptr": "*fp32", "sumexp_ptr": "*fp32",
          "cand_val_ptr": "*fp32", "cand_col_ptr": "*i32"},
         {"V": GPT_OSS_VOCAB, "K": 100, "GROUPS": 256, "CAP": 1024, "BLOCK_V": 4096}, num_warps=16,
     )
