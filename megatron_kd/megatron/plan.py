@@ -69,7 +69,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from megatron_kd.ops.topk_kl_function import triton_block_budget
+from megatron_kd.ops.topk_kl_function import triton_block_budget, triton_row_bytes
 from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory
 
 GIB = 2**30
@@ -338,8 +338,8 @@ def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: i
     vocab_local = a.padded_vocab_size / layout.tp
     if loss == "fused":  # the chunk block and its row buffers (the op's own budget), and the dummy wgrad
         wgrad = 2 * vocab_local * a.hidden_size
-        row = 2 * vocab_local + 4 * a.hidden_size + 4 * kd_topk
-        block = min(triton_block_budget(int(wgrad), tokens, kd_topk, row_bytes=int(row)), tokens * row)
+        row = triton_row_bytes(int(vocab_local), a.hidden_size, kd_topk, itemsize=2)
+        block = min(triton_block_budget(int(wgrad), tokens, kd_topk, row_bytes=row), tokens * row)
         plan.gpu_bytes["loss"] = block + wgrad
     elif loss == "ce":
         plan.gpu_bytes["loss"] = tokens * vocab_local * (2 + 4)

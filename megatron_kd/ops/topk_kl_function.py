@@ -66,6 +66,12 @@ _HELD_BYTES_PER_TOKEN = 64
 _CPU_BLOCK_BYTES = 32 * _MiB
 
 
+def triton_row_bytes(vocab_local: int, hidden: int, k: int, *, itemsize: int) -> int:
+    """Bytes of one row of the Triton path's chunk: its logits / gradient row in the input dtype,
+    its fp32 grad_h row (then its σ-scaled h), and its per-row statistics over the K entries."""
+    return vocab_local * itemsize + 4 * hidden + 4 * k
+
+
 def triton_block_budget(gradient: int, num_tokens: int, k: int, *, row_bytes: int, divergence: str = "forward") -> int:
     """Bytes for the CUDA (Triton) path's block and per-row buffers, given the bytes of one weight
     gradient in the weight's dtype and of one block row with its buffers (also ``megatron-kd
@@ -197,15 +203,14 @@ def topk_kl_forward(
     # plus a low-precision copy of G for mixed-precision GEMMs.
     block_dtype = hidden.dtype if use_triton else acc
     gemm_dtype = hidden.dtype if (mixed or use_triton) else acc
-    # Triton: a chunk's fp32 grad_h (then its σ-scaled h), and its per-row statistics
-    row_extra = h2d.shape[1] * acc.itemsize + 4 * ids2d.shape[1] if use_triton else 0
+    # Triton: besides the block's row, a chunk's fp32 grad_h (then its σ-scaled h) and per-row statistics
+    row_bytes = triton_row_bytes(vocab_local, h2d.shape[1], ids2d.shape[1], itemsize=block_dtype.itemsize)
     chunk = opts.chunk_size or auto_chunk_size(
         num_tokens, vocab_local, device=hidden.device, block_dtype=block_dtype, gemm_dtype=gemm_dtype,
         extra_block=has_labels and tau != 1.0 and not use_triton,
         budget_bytes=triton_block_budget(weight.numel() * weight.element_size(), num_tokens, ids2d.shape[1],
-                                         row_bytes=vocab_local * block_dtype.itemsize + row_extra,
-                                         divergence=opts.divergence) if use_triton else None,
-        row_extra_bytes=row_extra,
+                                         row_bytes=row_bytes, divergence=opts.divergence) if use_triton else None,
+        row_extra_bytes=row_bytes - vocab_local * block_dtype.itemsize if use_triton else 0,
     )
     # CPU with bf16/fp16 inputs: one upcast copy of the shard (no mixed-precision GEMMs there).
     w_gemm = weight if gemm_dtype == weight.dtype else weight.to(acc)
