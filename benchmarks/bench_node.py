@@ -64,8 +64,8 @@ Memory layout and optimizer, passed to Megatron-LM (the recipe's own recompute f
                  block:N: the first N layers whole (--recompute-method block), the others not;
                  selective: the --recompute-modules only; none: no recompute; plan: the layout
                  ``megatron-kd plan --search`` ranks first for the run (its flags and loss path,
-                 141GB) with the run's parallel sizes and micro-batch, labelled with it; a run no
-                 layout fits is reported, not run
+                 --gpu-memory: 141GB, an H200, unless given) with the run's parallel sizes and
+                 micro-batch, labelled with it; a run no layout fits is reported, not run
   --recompute-modules moe_act,...   Megatron's --recompute-modules (moe_act: the experts' activation,
                  which megatron_kd's experts also honour under block recompute for the other layers)
   --offload-modules expert_fc1,...  --fine-grained-activation-offloading (needs Transformer Engine)
@@ -197,7 +197,7 @@ RECIPE_RECOMPUTE_FLAGS = {"--recompute-granularity": 1, "--recompute-method": 1,
                           "--recompute-modules": None, "--kd-fused-adam": 0, "--kd-optimizer": 1}
 # options that fix the model, the data and the cache: the call's, for every configuration of it
 SHARED_OPTIONS = ("size", "gpus", "rank_of", "layers", "experts", "seq", "global_batch_size", "iters", "packing",
-                  "document_tokens", "timeout", "out")
+                  "document_tokens", "gpu_memory", "timeout", "out")
 # --packing documents: Megatron-LM's flags that keep packed documents apart, for the cache build and
 # every training run alike (the cache records its packing and a run with other flags is refused)
 PACKING_FLAGS = {"none": [], "documents": ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]}
@@ -235,6 +235,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", type=recompute_choice, default=None,
                    help="default: the size's (GPT-OSS full, Llama none)")
     p.add_argument("--recompute-modules", type=module_list, default=None)
+    p.add_argument("--gpu-memory", default=None,
+                   help="memory of one GPU that --recompute plan plans for (default: megatron-kd plan's, 141GB)")
     p.add_argument("--offload-modules", type=module_list, default=None)
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_FLAGS), default="megatron")
     p.add_argument("--extra", default="", help="more Megatron-LM / --kd-* flags, one string")
@@ -272,6 +274,10 @@ def _finish(p: argparse.ArgumentParser, opts: argparse.Namespace) -> argparse.Na
     opts.seq = opts.seq or size.seq
     opts.global_batch_size = opts.global_batch_size or default_global_batch(size, opts.seq, opts.gpus)
     opts.recompute = opts.recompute or size.recompute
+    if opts.gpu_memory is None:
+        from megatron_kd.megatron.plan import DEFAULT_GPU_MEMORY
+
+        opts.gpu_memory = DEFAULT_GPU_MEMORY
     opts.out = opts.out.resolve()  # the launcher runs from the repository root
     losses = set(opts.losses.split(","))
     if losses - set(LOSSES):
@@ -534,15 +540,15 @@ def plan_gib(flags: list[str], gpus: int, loss: str) -> float | None:
     return estimate(args, layout, gpus=gpus, loss=plan_loss(loss), kd_topk=TOPK).total / GIB
 
 
-def planned_layout(flags: list[str], gpus: int, loss: str):
+def planned_layout(flags: list[str], gpus: int, loss: str, gpu_memory: str):
     """``--recompute plan``: the layout ``megatron-kd plan --search`` ranks first for the run
-    ``flags`` (model, data, optimizer and extra flags, the loss path, one H200's memory) among those
-    with the run's own parallel sizes and micro-batch: on one GPU, its recompute. None if none fits."""
-    from megatron_kd.megatron.plan import DEFAULT_GPU_MEMORY, parse_size, plan_args, search
+    ``flags`` (model, data, optimizer and extra flags, the loss path, ``gpu_memory`` per GPU) among
+    those with the run's own parallel sizes and micro-batch: on one GPU, its recompute. None if none fits."""
+    from megatron_kd.megatron.plan import parse_size, plan_args, search
 
     args, run = plan_args(flags, gpus)
     sizes = lambda layout: (layout.tp, layout.pp, layout.ep, layout.cp, layout.micro_batch)  # noqa: E731
-    fits = [p for p in search(args, gpus, gpu_memory=parse_size(DEFAULT_GPU_MEMORY), loss=plan_loss(loss),
+    fits = [p for p in search(args, gpus, gpu_memory=parse_size(gpu_memory), loss=plan_loss(loss),
                               kd_topk=TOPK) if sizes(p.layout) == sizes(run)]
     return fits[0].layout if fits else None
 
@@ -825,11 +831,11 @@ def main(argv=None):
         label = run_label(loss, config)
         if results["runs"].get(label, {}).get("rc") == 0:
             continue
-        planned = planned_layout([*student, *layout_flags(config)], opts.gpus, loss) \
+        planned = planned_layout([*student, *layout_flags(config)], opts.gpus, loss, opts.gpu_memory) \
             if config.recompute == "plan" else None
         if config.recompute == "plan" and planned is None:
             results["runs"][label] = {"loss": loss, "rc": None, "step_s": None, "plan_gib": None, "no_fit": True}
-            print(f"{label}: megatron-kd plan --search finds no layout of this run that fits one H200", flush=True)
+            print(f"{label}: megatron-kd plan --search finds no layout of this run that fits {opts.gpu_memory}", flush=True)
             continue
         flags = [*student, *layout_flags(config, planned), *loss_flags(loss, cache)]
         snapshot = opts.out / "work" / f"snapshot_{slug(label)}.pickle"

@@ -1,19 +1,34 @@
 """Teacher pass: cost of top-K extraction next to the teacher's forward pass (one CUDA device).
 
     python benchmarks/bench_teacher_topk.py [--layers 24] [--seq-length 8192] [--topk 100]
+    python benchmarks/bench_teacher_topk.py --model 120b-rank --chunk-sizes 0 --pass-samples 6,12 \
+        --codecs topk-v2 --no-inline
 
-A GPT-OSS-20B-width dense teacher (h = 2880, GQA 64/8 heads, FFN 4h, V = 201,088, bf16, local
-spec with SDPA attention) runs forward on one sequence; we time (a) the forward up to the final
-hidden states, (b) ``vocab_parallel_topk`` of those states (projection + top-K + logsumexp,
-chunked), (c) the bare bf16 projection hidden·Wᵀ that any teacher forward pays for its logits.
-Overhead of extraction = (b - c) / (a + c): what the cache adds over a forward that yields logits.
+``--model dense`` (the default): a GPT-OSS-20B-width dense teacher (h = 2880, GQA 64/8 heads, FFN
+4h, V = 201,088, bf16, local spec with SDPA attention). ``--model 120b-rank``: one rank of the
+GPT-OSS-120B teacher's 8-GPU node (examples/gpt_oss/120b.sh's architecture through ``megatron-kd
+train``'s model builder: 36 layers, windows and sinks, top-4 routing) holding its 16 of the 128
+experts, expert parallelism 1: with top-4 routing over them it computes the expert FLOPs of all its
+tokens, as a rank of EP = 8 does, without the all-to-all (``--layers`` / ``--seq-length`` default to
+36 / 32,768 there). Random weights: neither speed nor memory depends on them.
+
+The teacher runs forward on one sequence; we time (a) the forward up to the final hidden states,
+(b) ``vocab_parallel_topk`` of those states (projection + top-K + logsumexp, chunked), (c) the bare
+bf16 projection hidden·Wᵀ that any teacher forward pays for its logits. Overhead of extraction =
+(b - c) / (a + c): what the cache adds over a forward that yields logits.
 
 ``--pass-samples N`` also times the whole teacher pass over N samples of random tokens written
 to a temporary cache, for each of ``--codecs`` (sampled-counts-v1 in sampled mode, K draws per
 token): ``capture_teacher`` (stores behind the forward, on ``--workers`` threads) and the same steps
 with each micro-batch written inline (``CacheWriter.write``), each against N x (a + c). A pass
 shorter than a few shards pays the last shard's compression after the last forward: at 8192 x
-100 a shard holds 13 samples, so --pass-samples 8 is one shard written at the end.
+100 a shard holds 13 samples, so --pass-samples 8 is one shard written at the end. Two or more
+lengths (``--pass-samples 52,104``) also give each pass's marginal cost between them: (t(N2) -
+t(N1)) over N2 - N1 logits forwards, what every sample of a long pass costs once the fixed part
+(the first forward's start, the last shard's compression) is paid. With ``--answer-fraction F``
+each pass runs once more with chat data's loss mask (``CaptureConfig.masked``: the top-K or the
+draws only at the answer tokens): answer spans alternate with prompt spans, lengths drawn from
+exponentials of mean ``--span-tokens`` x F (answer) and x (1 - F) (prompt).
 
 ``--store-rate 1,2,4`` needs no GPU: it stores ``--store-samples`` synthetic samples (ids of
 Zipf-like gaps, Student-t log-probs holding 0.9 of the mass; sampled rows draw K tokens from them)
@@ -41,12 +56,17 @@ from cuda_timing import cuda_median_ms as median_ms  # noqa: E402
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--seq-length", type=int, default=8192)
+    p.add_argument("--model", choices=("dense", "120b-rank"), default="dense")
+    p.add_argument("--layers", type=int, default=None, help="default: 24 (dense), 36 (120b-rank)")
+    p.add_argument("--seq-length", type=int, default=None, help="default: 8192 (dense), 32768 (120b-rank)")
     p.add_argument("--topk", type=int, default=100)
     p.add_argument("--chunk-sizes", default="0,512,1024,2048", help="0 = automatic")
     p.add_argument("--breakdown", action="store_true", help="also time the steps of one 2048-token chunk")
-    p.add_argument("--pass-samples", type=int, default=0, help="also time a whole teacher pass over N samples")
+    p.add_argument("--pass-samples", default="", metavar="N1[,N2,...]",
+                   help="also time a whole teacher pass over N samples (each N; two or more: the marginal cost)")
+    p.add_argument("--answer-fraction", type=float, default=None,
+                   help="--pass-samples once more with a chat loss mask keeping this fraction of the tokens")
+    p.add_argument("--span-tokens", type=int, default=400, help="mean tokens of a prompt + answer pair (--answer-fraction)")
     p.add_argument("--codecs", default="topk-v2,topk-v3,sampled-counts-v1",
                    help="the cache codecs of --pass-samples and --store-rate")
     p.add_argument("--workers", default=None, metavar="W1,W2,...",
@@ -61,27 +81,29 @@ def main():
     p.add_argument("--rows-per-shard", type=int, default=None, help="of --store-rate (default: the writer's)")
     args = p.parse_args()
     if args.store_rate:
+        args.seq_length = args.seq_length or 8192
         return store_rate(args)
+    if args.answer_fraction is not None and not 0 < args.answer_fraction < 1:
+        p.error(f"--answer-fraction must be in (0, 1), got {args.answer_fraction}")
+    rank = args.model == "120b-rank"
+    args.layers = args.layers or (36 if rank else 24)
+    args.seq_length = args.seq_length or (32768 if rank else 8192)
+    args.pass_samples = [int(n) for n in args.pass_samples.split(",") if n]
 
     from megatron_kd.distributed import init_process_group
     init_process_group("nccl")
     torch.cuda.set_device(0)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
 
-    from megatron_kd.models.gpt import build_gpt_model
     from megatron_kd.ops.topk import vocab_parallel_topk
     from megatron_kd.teacher.sources import _hidden_and_weight
 
     parallel_state.initialize_model_parallel(1)
     model_parallel_cuda_manual_seed(0)
     h, vocab, s = 2880, 201_088, args.seq_length
-    cfg = TransformerConfig(num_layers=args.layers, hidden_size=h, num_attention_heads=64, num_query_groups=8,
-                            kv_channels=64, ffn_hidden_size=4 * h, bf16=True, params_dtype=torch.bfloat16,
-                            normalization="RMSNorm", attention_dropout=0.0, hidden_dropout=0.0,
-                            add_bias_linear=False, persist_layer_norm=False)
-    model = build_gpt_model(cfg, vocab_size=vocab, max_sequence_length=s, use_te=False).cuda().eval()
+    model = (gpt_oss_rank_teacher if args.model == "120b-rank" else dense_teacher)(args, vocab).cuda().eval()
+    print(f"{args.model} teacher: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters", flush=True)
     tokens = torch.randint(0, vocab, (1, s), device="cuda")
     pos = torch.arange(s, device="cuda")[None]
 
@@ -126,6 +148,51 @@ def main():
             time_teacher_pass(model, args, vocab, logits_forward_ms=t_fwd + t_proj)
 
 
+def dense_teacher(args, vocab: int):
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_kd.models.gpt import build_gpt_model
+
+    h = 2880
+    cfg = TransformerConfig(num_layers=args.layers, hidden_size=h, num_attention_heads=64, num_query_groups=8,
+                            kv_channels=64, ffn_hidden_size=4 * h, bf16=True, params_dtype=torch.bfloat16,
+                            normalization="RMSNorm", attention_dropout=0.0, hidden_dropout=0.0,
+                            add_bias_linear=False, persist_layer_norm=False)
+    return build_gpt_model(cfg, vocab_size=vocab, max_sequence_length=args.seq_length, use_te=False)
+
+
+RANK_EXPERTS = 128 // 8  # the 120B teacher's experts on one rank of its 8-GPU node (EP = 8)
+
+
+def gpt_oss_rank_teacher(args, vocab: int):
+    """examples/gpt_oss/120b.sh's teacher as one rank of its node holds it (module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
+    from tiny_gpt_oss import recipe_flags
+
+    from megatron_kd.megatron.train import parse_megatron_args
+    from megatron_kd.models.gpt import gpt_model_from_args
+
+    flags = [*recipe_flags("120b", layout=False), "--num-layers", str(args.layers), "--num-experts", str(RANK_EXPERTS),
+             "--expert-model-parallel-size", "1", "--seq-length", str(args.seq_length), "--micro-batch-size", "1",
+             "--global-batch-size", "1", "--train-iters", "1", "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", str(vocab), "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
+             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--bf16", "--lr", "1e-5"]
+    args_ = parse_megatron_args(flags)
+    return gpt_model_from_args(args_).bfloat16()
+
+
+def answer_mask(seq: int, fraction: float, span_tokens: int, gen: torch.Generator) -> torch.Tensor:
+    """[seq] int64 loss mask of alternating prompt (0) and answer (1) spans, the answer spans holding
+    about ``fraction`` of the tokens (module docstring)."""
+    mask, at, answer = torch.zeros(seq, dtype=torch.int64), 0, False
+    while at < seq:
+        mean = span_tokens * (fraction if answer else 1 - fraction)
+        length = max(1, int(torch.empty(1).exponential_(1 / mean, generator=gen)))
+        mask[at:at + length] = int(answer)
+        at, answer = at + length, not answer
+    return mask
+
+
 def _writer_of(codec: str, path, *, vocab: int, k: int, seq: int, n: int, rows_per_shard=None):
     from megatron_kd.cache import CacheWriter
     from megatron_kd.cache.encodings import SAMPLED_COUNTS_V1
@@ -145,23 +212,31 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
     from megatron_kd.ops.topk import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
     from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
 
-    n, s = args.pass_samples, args.seq_length
+    s, lengths = args.seq_length, args.pass_samples
     counts = [int(w) for w in args.workers.split(",")] if args.workers else [default_workers()]
     intervals = [float(v) for v in args.switch_intervals.split(",")] if args.switch_intervals else [None]
     gen = torch.Generator().manual_seed(0)
     dataset = [{"tokens": torch.randint(0, vocab, (s,), generator=gen), "position_ids": torch.arange(s)}
-               for _ in range(n)]
+               for _ in range(max(lengths))]
+    masks = [False]
+    if args.answer_fraction is not None:
+        for x in dataset:
+            x["loss_mask"] = answer_mask(s, args.answer_fraction, args.span_tokens, gen)
+        kept = sum(int(x["loss_mask"].sum()) for x in dataset) / (len(dataset) * s)
+        print(f"chat loss mask: {kept:.3f} of the tokens kept, spans of {args.span_tokens} tokens per pair on average")
+        masks.append(True)
     teacher = MegatronTeacher(model, vocab_size=vocab)
     device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    floor = n * logits_forward_ms / 1e3
-    print(f"teacher pass over {n} x {s} tokens; {n} logits forwards {floor:.2f} s")
+    logits_forward_s = logits_forward_ms / 1e3
+    print(f"teacher pass over {','.join(map(str, lengths))} x {s} tokens; one logits forward {logits_forward_s:.3f} s, "
+          f"{8 * s / logits_forward_s:,.0f} tokens/s for 8 GPUs")
     for codec in args.codecs.split(","):
         mode = "sampled" if codec == SAMPLED_COUNTS_V1 else "topk"
 
-        def inline(w):  # the pass with each micro-batch stored before the next forward
+        def inline(w, data):  # the pass with each micro-batch stored before the next forward
             for i in w.pending_samples():
-                x = dataset[int(i)]
+                x = data[int(i)]
                 hidden, weight = teacher(x["tokens"][None].to(device), x["position_ids"][None].to(device))
                 if mode == "topk":
                     ids, lps = vocab_parallel_topk(hidden, weight, args.topk, vocab_size=vocab)
@@ -170,35 +245,48 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
                     ids, lps = vocab_parallel_sample(hidden, weight, args.topk, row_keys=keys, vocab_size=vocab)
                 w.write(int(i), ids[:, 0], lps[:, 0])
 
-        def behind(workers, interval):
-            def run(w):
+        def behind(workers, interval, masked):
+            def run(w, data):
                 default = sys.getswitchinterval()
                 sys.setswitchinterval(interval or default)
                 try:
-                    cfg = CaptureConfig(topk=args.topk, mode=mode, store_workers=workers)
-                    capture_teacher(teacher, dataset, w, cfg, progress=False)
+                    cfg = CaptureConfig(topk=args.topk, mode=mode, store_workers=workers, masked=masked)
+                    capture_teacher(teacher, data, w, cfg, progress=False)
                 finally:
                     sys.setswitchinterval(default)
             return run
 
         with tempfile.TemporaryDirectory() as tmp:  # warm-up
+            n = min(lengths)
             warm = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
-            inline(warm)
+            inline(warm, dataset[:n])
             warm.close()
         runs = [] if args.no_inline else [("stores inline", inline)]
-        runs += [(f"stores behind, {workers} workers" + (f", switch {interval * 1e3:g} ms" if interval else ""),
-                  behind(workers, interval)) for interval in intervals for workers in counts]
+        runs += [(f"stores behind, {workers} workers" + (f", switch {interval * 1e3:g} ms" if interval else "")
+                  + (", answer tokens only" if masked else ""), behind(workers, interval, masked))
+                 for masked in masks for interval in intervals for workers in counts]
         for name, run in runs:
-            with tempfile.TemporaryDirectory() as tmp:
-                w = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
-                sync()
-                start = time.perf_counter()
-                run(w)
-                w.close()
-                sync()
-                took = time.perf_counter() - start
-            print(f"  {codec:17} {name:40} {took:7.2f} s  {n * s / took:10,.0f} tokens/s  overhead over a logits "
-                  f"forward {100 * (took / floor - 1):5.1f}%")
+            took = {}
+            for n in lengths:
+                with tempfile.TemporaryDirectory() as tmp:
+                    w = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
+                    sync()
+                    start = time.perf_counter()
+                    run(w, dataset[:n])
+                    w.close()
+                    sync()
+                    took[n] = time.perf_counter() - start
+                    size = sum(f.stat().st_size for f in Path(tmp, "cache").rglob("*") if f.is_file())
+                print(f"  {codec:17} {name:40} {n:4} samples {took[n]:7.2f} s  {n * s / took[n]:10,.0f} tokens/s  "
+                      f"overhead over a logits forward {100 * (took[n] / (n * logits_forward_s) - 1):5.1f}%  "
+                      f"{size / (n * s):6.1f} bytes/token", flush=True)
+            if len(lengths) > 1:
+                a, b = min(lengths), max(lengths)
+                per_sample = (took[b] - took[a]) / (b - a)
+                print(f"  {codec:17} {name:40} marginal {a}->{b}: {per_sample:.3f} s per sample, "
+                      f"{s / per_sample:,.0f} tokens/s, overhead over a logits forward "
+                      f"{100 * (per_sample / logits_forward_s - 1):5.1f}%; 8 GPUs: 1 B tokens in "
+                      f"{1e9 / (8 * s / per_sample) / 3600:.2f} h", flush=True)
 
 
 def synthetic_rows(n: int, seq: int, k: int, vocab: int, *, sampled: bool, seed: int = 0):
