@@ -480,7 +480,7 @@ def cache_build_args(opts, data_prefix: str, teacher: Path, cache: Path) -> list
     model = ["--num-layers", "1", "--hidden-size", str(TEACHER_HIDDEN), "--num-attention-heads", "4",
              "--max-position-embeddings", str(opts.seq), *no_te_flags(), "--bf16"]
     return ["cache", "build", *data_flags(opts, data_prefix), *model, "--kd-teacher-hf", str(teacher),
-            "--kd-cache", str(cache), "--kd-topk", str(TOPK)]
+            "--kd-cache", str(cache), "--kd-cache-mode", "topk", "--kd-topk", str(TOPK)]
 
 
 def build_cache(opts, data_prefix: str) -> Path:

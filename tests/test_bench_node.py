@@ -263,7 +263,8 @@ def test_llama_size_defaults_and_flags(tmp_path):
     assert not student.untie_embeddings_and_output_weights and student.expert_model_parallel_size == 1
     assert layout_flags(opts) == [] and run_label("online", opts) == "online"  # 3b.sh's layout: no recompute
     cache = cache_build_args(opts, "/d", tmp_path / "teacher", tmp_path / "cache")
-    assert _last(cache, "--kd-topk") == str(TOPK) == "100" and _last(cache, "--vocab-size") == "128256"
+    assert _last(cache, "--kd-topk") == str(TOPK) == "100" and _last(cache, "--kd-cache-mode") == "topk"
+    assert _last(cache, "--vocab-size") == "128256"
     command = online_command(opts, ["--student-flag"])
     assert command[0] == "--online-teacher" and command[-1] == "--student-flag"
     teacher = parse_flags(command[1].split(), prog="test")  # examples/llama/8b.sh over llama3.sh
@@ -300,13 +301,14 @@ def test_dense_model_flops_by_hand(tmp_path):
 
 def test_plan_layout_is_the_long_context_recipe(tmp_path):
     """--recompute plan at 128K with bf16-sr-8bit takes what plan --search ranks first, the layout
-    examples/llama/3b_128k.sh records; Megatron's CE fits no layout there; at 32K no recompute."""
+    examples/llama/3b_128k.sh records; Megatron's CE fits no layout there; at 32K no recompute. On an
+    80 GB card (--gpu-memory 80GB, the H100 the 64K / 128K rows ran on): every layer at 128K."""
     from bench_node import SIZES, Recipe, planned_layout
 
-    def planned(seq, loss):
+    def planned(seq, loss, *memory):
         opts = parse(["--size", "llama3-3b", "--seq", str(seq), "--recompute", "plan", "--optimizer", "bf16-sr-8bit",
-                      "--out", str(tmp_path)])
-        return planned_layout([*train_flags(opts, "/d"), *layout_flags(opts)], opts.gpus, loss)
+                      "--out", str(tmp_path), *memory])
+        return planned_layout([*train_flags(opts, "/d"), *layout_flags(opts)], opts.gpus, loss, opts.gpu_memory)
 
     recipe = Recipe(size="3b_128k.sh", family="llama", arch="llama3.sh", prefix="LLAMA3").flags()
     assert recipe[:recipe.index("--tensor-model-parallel-size")] == SIZES["llama3-3b"].recipe.flags(layout=False)
@@ -317,6 +319,8 @@ def test_plan_layout_is_the_long_context_recipe(tmp_path):
     assert _last(recipe, "--kd-optimizer") == "bf16-sr-8bit"
     assert planned(131072, "ce") is None
     assert planned(32768, "fused").recompute_flags() == []
+    assert planned(131072, "fused", "--gpu-memory", "80GB").recompute_flags() == [
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
 def test_llama_table_has_tokens_per_second_and_the_origins_peaks():

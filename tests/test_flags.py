@@ -33,8 +33,9 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "100", "--train-iters", "1", "--global-batch-size", "2"]
 VALUES = ("nan", "inf", "-inf", "0", "-1")
-# flags a value needs beside it to be meaningful (--kd-samples counts draws of sampled mode)
-CONTEXT = {"kd_samples": ["--kd-cache-mode", "sampled"]}
+# flags a value needs beside it to be meaningful (--kd-samples counts draws of sampled mode, --kd-topk
+# entries of top-K mode)
+CONTEXT = {"kd_samples": ["--kd-cache-mode", "sampled"], "kd_topk": ["--kd-cache-mode", "topk"]}
 NO_CUDA = "needs CUDA GPUs and this machine has none"
 
 
@@ -102,8 +103,22 @@ def test_divergence_flags(capsys):
     assert check_megatron_flags([*MODEL, "--kd-divergence", "jsd", "--kd-jsd-beta", "0.25"]).kd_jsd_beta == 0.25
     assert main(["train", *MODEL, "--kd-divergence", "reverse", "--kd-tail", "none"]) == 2
     assert "--kd-divergence reverse needs --kd-tail renorm or ghost" in _one_line(capsys)
-    assert main(["train", *MODEL, "--kd-samples", "8"]) == 2
+    assert main(["train", *MODEL, "--kd-cache-mode", "topk", "--kd-samples", "8"]) == 2
     assert "--kd-samples 8 is for --kd-cache-mode sampled" in _one_line(capsys)
+
+
+def test_cache_defaults_are_sampled_64(capsys):
+    """cache build's default cache: 64 draws per token (README, "Which cache"); --kd-topk only with
+    --kd-cache-mode topk."""
+    from megatron_kd.megatron.args import cache_entries
+
+    args = check_megatron_flags(MODEL)
+    assert (args.kd_cache_mode, cache_entries(args)) == ("sampled", 64)
+    assert cache_entries(check_megatron_flags([*MODEL, "--kd-samples", "128"])) == 128
+    assert cache_entries(check_megatron_flags([*MODEL, "--kd-cache-mode", "topk"])) == 100
+    assert cache_entries(check_megatron_flags([*MODEL, "--kd-cache-mode", "topk", "--kd-topk", "32"])) == 32
+    assert main(["cache", "build", *MODEL, "--kd-cache", "/tmp/unused", "--kd-topk", "32"]) == 2
+    assert "--kd-topk 32 is for --kd-cache-mode topk" in _one_line(capsys)
 
 
 # ---------------------------------------------------------------------------- Hugging Face dirs

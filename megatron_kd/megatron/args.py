@@ -25,6 +25,11 @@ from megatron_kd.optim.megatron import HELP as OPTIMIZER_HELP
 KD_IMPLS = ("fused", "dense")
 CE_IMPLS = ("fused", "megatron")
 CACHE_MODES = ("topk", "sampled")
+# cache build's defaults, from the fidelity benchmark's GPU preset (README, "Which cache"): 64 draws
+# per token (33 bytes/token) came within 0.6% of online KD in held-out CE; top-100 (213) 3.9% off
+DEFAULT_CACHE_MODE = "sampled"
+DEFAULT_DRAWS = 64
+DEFAULT_TOPK = 100
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,13 @@ class KDConfig:
         return cls(**{f.name: getattr(args, f"kd_{f.name}") for f in fields(cls)})
 
 
+def cache_entries(args: argparse.Namespace) -> int:
+    """Entries per token of the cache the flags describe: K of a top-K cache, the draws of a sampled one."""
+    if args.kd_cache_mode == "sampled":
+        return args.kd_samples or DEFAULT_DRAWS
+    return args.kd_topk or DEFAULT_TOPK
+
+
 def check_kd_flags(args: argparse.Namespace) -> KDConfig:
     """Every --kd-* flag of parsed ``args`` against its rule (one ``FlagError`` line), including the
     teacher pass's; returns the student's KDConfig."""
@@ -125,6 +137,9 @@ def check_kd_flags(args: argparse.Namespace) -> KDConfig:
     if args.kd_samples is not None and args.kd_cache_mode != "sampled":
         raise FlagError(f"--kd-samples {args.kd_samples} is for --kd-cache-mode sampled (this run stores the top-K: "
                         "--kd-topk sets K)")
+    if args.kd_topk is not None and args.kd_cache_mode != "topk":
+        raise FlagError(f"--kd-topk {args.kd_topk} is for --kd-cache-mode topk (this run's mode is "
+                        f"{args.kd_cache_mode}, the default: --kd-samples sets its draws, {DEFAULT_DRAWS} unless given)")
     if args.kd_cache_codec == SAMPLED_COUNTS_V1 and args.kd_cache_mode != "sampled":
         raise FlagError(f"--kd-cache-codec {SAMPLED_COUNTS_V1} stores draw counts: it needs --kd-cache-mode sampled "
                         "(top-K caches: auto, topk-v2 or topk-v3)")
@@ -186,18 +201,18 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "tensors, the same fp32 arithmetic). No effect where TE's or Apex's FusedAdam is installed.")
     group.add_argument("--kd-optimizer", choices=OPTIMIZERS, default=DEFAULT_OPTIMIZER, help=OPTIMIZER_HELP)
     # teacher pass (megatron-kd cache build)
-    group.add_argument("--kd-topk", type=int, default=100,
-                       help="Entries per token stored by the teacher pass (K, >= 1).")
-    group.add_argument("--kd-cache-mode", choices=CACHE_MODES, default="topk",
-                       help="Teacher pass: store the top-K ('topk') or --kd-samples tokens drawn from the teacher "
-                            "with their counts ('sampled', Random-Sampling KD: unbiased).")
+    group.add_argument("--kd-topk", type=int, default=None,
+                       help=f"Entries per token of a top-K cache (--kd-cache-mode topk; K >= 1, default {DEFAULT_TOPK}).")
+    group.add_argument("--kd-cache-mode", choices=CACHE_MODES, default=DEFAULT_CACHE_MODE,
+                       help="Teacher pass: store --kd-samples tokens drawn from the teacher with their counts "
+                            "('sampled', Random-Sampling KD: unbiased; the default) or the top-K ('topk').")
     group.add_argument("--kd-cache-codec", choices=("auto", *CODECS), default="auto",
                        help="Teacher pass: how a new cache stores its rows. auto: topk-v2 for top-K (lossless, "
                             "~270 bytes/token at K=100, V=201,088), sampled-counts-v1 for sampled (exact counts); "
                             "topk-v3: top-K probabilities in one-byte levels (within 6.5%% of p, or of 1-p near 1; "
                             "~190 bytes/token); topk-v1: the first format. A resumed build keeps its store's.")
     group.add_argument("--kd-samples", type=int, default=None,
-                       help="Draws per token in sampled mode (>= 1; default: --kd-topk).")
+                       help=f"Draws per token in sampled mode (>= 1; default {DEFAULT_DRAWS}).")
     group.add_argument("--kd-cache-workers", type=int, default=None,
                        help="Teacher pass: threads per data-parallel rank that compress and write the cache's "
                             "shards behind the forward (>= 1; default: the CPU cores of the rank, its node's cores "

@@ -69,6 +69,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from megatron_kd.megatron.args import cache_entries
 from megatron_kd.ops.topk_kl_function import triton_block_budget, triton_row_bytes
 from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory
 
@@ -494,7 +495,7 @@ def main(argv: list[str]) -> int:
     opts, rest, gpu_memory, host_memory = _plan_options(argv)
     args, layout = plan_args(rest, opts.gpus)
     say(code_path_line(args.transformer_impl, planned=True))
-    kd_topk = args.kd_topk
+    kd_topk = cache_entries(args)
     plans = {loss: estimate(args, layout, gpus=opts.gpus, loss=loss, kd_topk=kd_topk) for loss in ("fused", "ce", "dense")}
     print(format_plan(plans[opts.loss], gpu_memory, host_memory, opts.gpus))
     print("  loss paths: " + ", ".join(f"{loss} {p.total / GIB:.1f} GiB" for loss, p in plans.items()))

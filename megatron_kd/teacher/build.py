@@ -4,7 +4,7 @@
         <the student run's data flags: --data-path --split --seq-length --seed --train-iters
          --global-batch-size --micro-batch-size --tokenizer-*> \\
         <the teacher's model flags + --load CKPT, with its own --tensor-model-parallel-size ...> \\
-        --kd-cache PATH --kd-topk 100 [--kd-cache-mode sampled --kd-samples 64] [--kd-teacher-hf DIR]
+        --kd-cache PATH [--kd-samples 64 | --kd-cache-mode topk --kd-topk 100] [--kd-teacher-hf DIR]
 
 The datasets are built by the same code and arguments as ``megatron-kd train`` (so sample i is
 the same token window), the teacher is a Megatron GPTModel loaded from ``--load`` (TP, EP; PP=1)
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_kd.cache import CacheError, CacheWriter
 from megatron_kd.cache.inspect import store_bytes
+from megatron_kd.megatron.args import cache_entries
 from megatron_kd.megatron.loss_mask import loss_mask_field
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 from megatron_kd.megatron.packing import DocumentPacking
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     # chat data with a loss mask: rows only where the student's loss is taken
     loss_mask = loss_mask_field(train)
     mode = args.kd_cache_mode
-    k = (args.kd_samples or args.kd_topk) if mode == "sampled" else args.kd_topk
+    k = cache_entries(args)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     writer = None
     if parallel_state.get_tensor_model_parallel_rank() == 0:

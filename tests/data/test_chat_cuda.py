@@ -55,7 +55,7 @@ def test_chat_data_through_cache_build_and_train(tmp_path):
             tmp_path, "teacher", 1)
     cache = tmp_path / "cache"
     log = run_cli(["cache", "build", *_flags(tmp_path, 20), *_model(2, 128), "--load", str(teacher),
-                   "--kd-cache", str(cache), "--kd-topk", "16"], tmp_path, "build", 1)
+                   "--kd-cache", str(cache), "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", 1)
     assert "entries only where the loss mask" in log, log[-3000:]
     from megatron_kd.cache.inspect import inspect
 

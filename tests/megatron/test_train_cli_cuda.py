@@ -71,7 +71,7 @@ def test_teacher_cache_student_pipeline(tmp_path, tp):
     cache = tmp_path / "cache"
     student_iters = 30
     log = run_cli(["cache", "build", *_common(data, tmp_path, student_iters, tp), *_model(4, 256),
-                "--load", str(teacher_ckpt), "--kd-cache", str(cache), "--kd-topk", "16"], tmp_path, "build", tp)
+                "--load", str(teacher_ckpt), "--kd-cache", str(cache), "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", tp)
     assert f"{student_iters * 8} samples" in log, log[-3000:]
 
     log = run_cli(["train", *_common(data, tmp_path, student_iters, tp), *_model(2, 128), "--kd-cache", str(cache),
@@ -118,7 +118,7 @@ def test_killed_distillation_resumes_with_the_same_losses(tmp_path):
              "--save-interval", "20"], tmp_path, "teacher", 1)
     cache = tmp_path / "cache"
     run_cli(["cache", "build", *_common(data, tmp_path, 12, 1), *_model(2, 128), "--load", str(teacher_ckpt),
-             "--kd-cache", str(cache), "--kd-topk", "16"], tmp_path, "build", 1)
+             "--kd-cache", str(cache), "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", 1)
     student = [*_common(data, tmp_path, 12, 1), *_model(2, 64), "--kd-cache", str(cache), "--kd-tail", "ghost",
                "--log-interval", "1"]
     straight_tb, resumed_tb = tmp_path / "tb-straight", tmp_path / "tb-resumed"

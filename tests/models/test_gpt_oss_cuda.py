@@ -49,7 +49,7 @@ def test_gpt_oss_teacher_student_export(tmp_path):
     data = str(write_indexed_dataset(tmp_path / "data" / "docs", docs, TOKENIZER_TOKENS))
     cache = tmp_path / "cache"
     log = run_cli(["cache", "build", *_flags(tmp_path, data, 2), "--kd-teacher-hf", str(hf), "--kd-cache", str(cache),
-                   "--kd-topk", "16"], tmp_path, "build", 1)
+                   "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", 1)
     assert "8 samples" in log, log[-3000:]
 
     def distill_and_export(name: str, lr: str) -> tuple[str, Path]:

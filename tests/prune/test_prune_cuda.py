@@ -31,7 +31,7 @@ def test_cache_build_prune_distill(tmp_path):
     data = str(write_indexed_dataset(tmp_path / "data" / "docs", docs, TOKENIZER_TOKENS))
     cache, student = tmp_path / "cache", tmp_path / "student"
     run_cli(["cache", "build", *_flags(tmp_path, data, 2), "--kd-teacher-hf", str(teacher), "--kd-cache", str(cache),
-             "--kd-topk", "16"], tmp_path, "build", 1)
+             "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", 1)
     log = run_cli(["prune", *_flags(tmp_path, data, 2), "--kd-teacher-hf", str(teacher), "--prune-num-experts", "2",
                    "--prune-calib-samples", "8", "--out", str(student)], tmp_path, "prune", 1)
     assert "--num-experts 2 --kd-student-hf" in log, log[-3000:]
