@@ -8,7 +8,7 @@ sinks, and full causal + sinks. Documents: one per sample (no packing: today's p
 baseline of each kind), or packed documents with lengths drawn from an exponential distribution
 of mean 2K and 8K tokens (``--means``; the sample's end cuts the last one). Candidates:
 
-  window  flex    unpacked: today's window block mask; packed: ``_document_block_mask``
+  window  flex    unpacked: today's window block mask; packed: ``_causal_block_mask`` with the documents
           varlen  flash's variable-length kernels, window native (``_VarlenAttention``)
   full    cudnn   unpacked only: ``_CudnnSinkAttention``, today's default
           flex    causal + document block mask, sinks through its LSE (what "auto" runs packed)
@@ -155,7 +155,7 @@ def measure(opts) -> list[dict]:
     from cuda_timing import cuda_median_ms
 
     from megatron_kd.models.documents import Documents
-    from megatron_kd.models.attention import _document_block_mask
+    from megatron_kd.models.attention import _causal_block_mask
 
     s = opts.seq
     g = torch.Generator(device="cuda").manual_seed(opts.seed)
@@ -211,7 +211,7 @@ def measure(opts) -> list[dict]:
     def per_batch():
         documents = Documents.from_tokens(tokens, EOD)
         for window in (WINDOW, None):
-            _document_block_mask(documents.starts, window)
+            _causal_block_mask(documents.starts.shape[1], window, starts=documents.starts)
 
     rows.append({"layer": "per micro-batch", "impl": "documents + block masks", "ms": cuda_median_ms(per_batch)})
     return rows

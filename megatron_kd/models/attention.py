@@ -33,7 +33,7 @@ takes it from ``PackedDocuments``): query i also sees only keys j >= start(i), t
 its document, on every path, so a packed sample computes what each document computes alone:
 
   "math"   the term in the materialized mask (CPU runs, the definition tests)
-  "flex"   a block mask built from the documents (``_document_block_mask``): per 128-query block,
+  "flex"   a block mask built from the documents (``_causal_block_mask``): per 128-query block,
            the key blocks that hold a visible pair, marked full where every pair is visible (no
            mask_mod there); mask_mod composes the document, causal and window terms; sinks fold in
            through the LSE as without documents. "auto" picks it for every packed layer on CUDA
@@ -130,6 +130,10 @@ _FLEX_BLOCK = 128  # flex's default sparse block (queries and keys)
 
 @functools.lru_cache(maxsize=32)
 def _block_mask(sq: int, skv: int, causal: bool, window: tuple[int, int] | None, device: str):
+    if causal and sq == skv:
+        # self-attention from the blocks' bounds: create_block_mask evaluates every (query, key) pair
+        # and sums them in int64, 128 GiB at 128K tokens
+        return _causal_block_mask(sq, window, device=device)
     from torch.nn.attention.flex_attention import create_block_mask
 
     offset = skv - sq
@@ -153,9 +157,11 @@ def _blocks_in_order(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count.unsqueeze(1).contiguous(), order.unsqueeze(1).contiguous()
 
 
-def _document_block_mask(starts: torch.Tensor, window: tuple[int, int] | None, block: int = _FLEX_BLOCK):
-    """Flex's block mask for causal attention within documents (``starts`` int32 [b, s]) and an
-    optional window, built from the documents without evaluating [s, s] pairs.
+def _causal_block_mask(s: int, window: tuple[int, int] | None, *, starts: torch.Tensor | None = None,
+                       device=None, block: int = _FLEX_BLOCK):
+    """Flex's block mask for causal self-attention over ``s`` tokens with an optional window, within
+    documents (``starts`` int32 [b, s], each token's document start) or over the whole sequence
+    (``starts`` None: one mask for any batch), built without evaluating [s, s] pairs.
 
     Query q sees keys [lower(q), upper(q)] with lower(q) = max(start(q), q − left) and
     upper(q) = q + min(right, 0); both ends grow with q, so query block [f_i, l_i] holds a visible
@@ -165,15 +171,15 @@ def _document_block_mask(starts: torch.Tensor, window: tuple[int, int] | None, b
     """
     from torch.nn.attention.flex_attention import BlockMask
 
-    b, s = starts.shape
+    device = starts.device if starts is not None else device
     n = -(-s // block)
     left, right = window if window is not None else (None, 0)
     reach = min(right, 0)  # causal: no key after the query
-    first = torch.arange(n, device=starts.device) * block  # first and last token of each block
+    first = torch.arange(n, device=device) * block  # first and last token of each block
     last = (first + block).clamp(max=s) - 1
 
     def lower(i):  # [b, n]: the earliest key each query of positions i sees
-        lo = starts[:, i].long()
+        lo = starts[:, i].long() if starts is not None else torch.zeros(1, len(i), dtype=torch.long, device=device)
         return lo if left is None else torch.maximum(lo, i - left)
 
     f_q, l_q = first.view(1, n, 1), last.view(1, n, 1)
@@ -185,7 +191,9 @@ def _document_block_mask(starts: torch.Tensor, window: tuple[int, int] | None, b
     full_num, full_indices = _blocks_in_order(full)
 
     def mask_mod(b_idx, h_idx, q_idx, kv_idx):
-        keep = (kv_idx <= q_idx + reach) & (kv_idx >= starts[b_idx, q_idx])
+        keep = kv_idx <= q_idx + reach
+        if starts is not None:
+            keep = keep & (kv_idx >= starts[b_idx, q_idx])
         if left is not None:
             keep = keep & (kv_idx >= q_idx - left)
         return keep
@@ -201,7 +209,8 @@ def attention_flex(q, k, v, *, scale: float, causal: bool = True, window=None, s
     if documents is None:
         mask = _block_mask(q.shape[2], k.shape[2], causal, window, str(q.device))
     else:  # one block mask per micro-batch and kind of layer, shared by the layers of that kind
-        mask = documents.memo(("flex", window), lambda: _document_block_mask(documents.starts, window))
+        mask = documents.memo(("flex", window),
+                              lambda: _causal_block_mask(documents.starts.shape[1], window, starts=documents.starts))
     out, aux = _compiled_flex()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                 return_aux=AuxRequest(lse=True))
     return out if sink is None else _fold_sink(out, aux.lse, sink)

@@ -32,7 +32,7 @@ from tiny_gpt_oss import SEQ, VOCAB_ROWS, make_tiny_gpt_oss, tiny_flags  # noqa:
 from megatron_kd.errors import FlagError  # noqa: E402
 from megatron_kd.megatron.packing import DocumentPacking, check_packing_flags  # noqa: E402
 from megatron_kd.models.documents import Documents, PackedDocuments, document_starts  # noqa: E402
-from megatron_kd.models.attention import _document_block_mask, core_attention  # noqa: E402
+from megatron_kd.models.attention import _block_mask, _causal_block_mask, core_attention  # noqa: E402
 
 EOD = 1
 
@@ -114,13 +114,19 @@ def test_gpt_dataset_agrees_and_eod_mask_loss(tmp_path, seed):
 
 
 # ---------------------------------------------------------------------------- 2. flex block mask
+@pytest.mark.parametrize("packed", [True, False], ids=["documents", "one-sequence"])
 @pytest.mark.parametrize("window", [None, (6, 0), (40, 0)], ids=["full", "window7", "window41"])
-def test_document_block_mask_is_exact(seed, window):
+def test_causal_block_mask_is_exact(seed, window, packed):
+    """Within documents, and over the whole sequence (what unpacked self-attention uses at any length)."""
     g = torch.Generator().manual_seed(seed)
     block, s = 16, 100  # s not a multiple of the block
     lengths = [[-100], [1, 1, 15, 17, 3, -63], [40, 2, 16, 16, -26], [5] * 20]
     starts = document_starts(packed_tokens(lengths, generator=g), EOD)
-    mask = _document_block_mask(starts, window, block=block)
+    if packed:
+        mask = _causal_block_mask(s, window, starts=starts, block=block)
+    else:
+        starts = torch.zeros(1, s, dtype=torch.int32)
+        mask = _causal_block_mask(s, window, device="cpu", block=block)
     b, n = starts.shape[0], -(-s // block)
     i = torch.arange(s)
     exact = (i.view(1, 1, s) <= i.view(1, s, 1)) & (i.view(1, 1, s) >= starts.unsqueeze(-1))  # [b, q, kv]
@@ -145,6 +151,27 @@ def test_document_block_mask_is_exact(seed, window):
     assert not (full & ~per_block.all(4).all(2)).any()  # a full block is visible throughout
     assert full.any() == (window is None or window[0] >= 2 * block)  # where they can be, blocks are full
     assert mask.q_num_blocks is not None and mask.full_q_num_blocks is not None  # backward's transposed blocks
+
+
+@pytest.mark.parametrize("window", [None, (127, 0), (300, 0)], ids=["full", "window128", "window301"])
+def test_self_attention_block_mask_is_create_block_masks(window):
+    """Unpacked causal self-attention's block mask, from block bounds, lists what torch's
+    create_block_mask lists (which evaluates every pair: out of memory at 128K tokens)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    s = 1000  # not a multiple of flex's 128-token block
+    left = window[0] if window else s
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & (kv >= q - left)
+
+    ours, torchs = _block_mask(s, s, True, window, "cpu"), create_block_mask(mask_mod, None, None, s, s, device="cpu")
+    for num, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        assert torch.equal(getattr(ours, num), getattr(torchs, num)), num
+        count = getattr(ours, num)[0, 0]
+        for q_block, k in enumerate(count.tolist()):  # only the listed entries are defined
+            assert torch.equal(getattr(ours, indices)[0, 0, q_block, :k].sort().values,
+                               getattr(torchs, indices)[0, 0, q_block, :k].sort().values)
 
 
 # ----------------------------------------------------------------------------------- 3. math path
