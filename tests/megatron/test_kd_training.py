@@ -244,3 +244,15 @@ def test_killed_demo_resumes_with_the_same_trajectory(tmp_path, monkeypatch):
     assert resumed["heldout"] == reference["heldout"]
     assert [step for step, _ in seen] == list(range(1, 7))
     assert all(ids == list(range((step - 1) * 16, step * 16)) for step, ids in seen)
+
+
+def test_reverse_and_jsd_on_a_sampled_cache_are_warned_at_startup():
+    """The combination the GPU fidelity preset measured to fail gets one line; the rest none."""
+    from megatron_kd.megatron.train import divergence_warning
+
+    for divergence in ("reverse", "jsd"):
+        line = divergence_warning("sampled", divergence, 1.0)
+        assert line.startswith(f"warning: --kd-divergence {divergence} on a sampled cache") and "\n" not in line
+    assert divergence_warning("sampled", "forward", 1.0) is None
+    assert divergence_warning("topk", "reverse", 1.0) is None
+    assert divergence_warning("sampled", "reverse", 0.0) is None  # no KD term
