@@ -7,10 +7,11 @@
 # optimizer state only full recompute fits (89.1 GiB), and Megatron's cross-entropy fits no layout
 # at 128K (its [128K x 128,256] logits and their fp32 copy: 94 GiB).
 # The plan's choice at shorter lengths, for `--seq-length` overrides: 32K no recompute (107.5 GiB),
-# 64K the first 14 layers (112.6 GiB), both with bf16-sr-8bit. Planned, not measured at 128K: the plan
-# is held to GPT-OSS's measured peaks, and for this student at 8K without recompute it was 1.7% above
-# the measured 76.4 GiB (one H200, 2026-12-03); `benchmarks/bench_node.py --size llama3-3b --seq 131072
-# --recompute plan` measures this one.
+# 64K the first 14 layers (112.6 GiB), both with bf16-sr-8bit. This H200 layout is planned, not yet
+# measured. On an 80 GB card the plan (--gpu-memory 80GB) recomputes every layer at 128K: measured on
+# one H100 (2026-12-05) at 56.7 GiB peak (planned 53.4), 30.0 s per step, 4,363 tokens/s;
+# `benchmarks/bench_node.py --size llama3-3b --seq 131072 --recompute plan [--gpu-memory 80GB]`
+# measures either.
 source "$(dirname "${BASH_SOURCE[0]}")/3b.sh"
 LLAMA3_LAYOUT=(
   --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
