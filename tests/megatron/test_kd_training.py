@@ -251,8 +251,10 @@ def test_reverse_and_jsd_on_a_sampled_cache_are_warned_at_startup():
     from megatron_kd.megatron.train import divergence_warning
 
     for divergence in ("reverse", "jsd"):
-        line = divergence_warning("sampled", divergence, 1.0)
-        assert line.startswith(f"warning: --kd-divergence {divergence} on a sampled cache") and "\n" not in line
-    assert divergence_warning("sampled", "forward", 1.0) is None
-    assert divergence_warning("topk", "reverse", 1.0) is None
-    assert divergence_warning("sampled", "reverse", 0.0) is None  # no KD term
+        line = divergence_warning("sampled", divergence, "renorm", 1.0)
+        assert line.startswith(f"warning: --kd-divergence {divergence} with --kd-tail renorm on a sampled cache")
+        assert "\n" not in line
+    assert divergence_warning("sampled", "forward", "renorm", 1.0) is None
+    assert divergence_warning("topk", "reverse", "renorm", 1.0) is None
+    assert divergence_warning("sampled", "reverse", "ghost", 1.0) is None  # scores the rest: not measured
+    assert divergence_warning("sampled", "reverse", "renorm", 0.0) is None  # no KD term
