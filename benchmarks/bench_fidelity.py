@@ -36,7 +36,8 @@ End to end, nothing precomputed:
                            models' logits materialized (the dense reference; no cache)
      top{K}-{tail}         the fused top-K loss from the cache (``KDForwardStep``, what
                            ``megatron-kd train`` runs), tail none / renorm / ghost
-     sampled[N]            the fused loss on the sampled cache (tail renorm; N draws, or chosen)
+     sampled[N][-ghost]    the fused loss on the sampled cache (tail renorm, or ghost: the student's
+                           mass outside the draws as one more outcome; N draws, or chosen)
      top{K}-{tail}-ce{W}   the same with hard-label cross-entropy weight W; tail "best" is the
                            tail whose plain top-K variants scored best on held-out cross-entropy
      ...-reverse, ...-jsd[B]  a top-K or sampled variant with another divergence of the same cached
@@ -211,7 +212,7 @@ class Variant:
 _NUMBER = r"\d+(?:\.\d+)?"
 _DIVERGENCE = rf"(?:-(reverse|jsd)({_NUMBER})?)?"
 _VARIANT = re.compile(rf"^(?:(ce|online)|top(\d+)-({'|'.join(TAILS)}|best){_DIVERGENCE}(?:-ce({_NUMBER}))?"
-                      rf"|sampled(\d+)?{_DIVERGENCE})$")
+                      rf"|sampled(\d+)?(-ghost)?{_DIVERGENCE})$")
 SUPPORT_DIVERGENCES = tuple(d for d in DIVERGENCES if d != "forward")
 
 
@@ -219,8 +220,8 @@ def parse_variant(name: str) -> Variant:
     m = _VARIANT.match(name)
     if m is None:
         raise ValueError(f"unknown variant {name!r}: ce, online, top{{K}}-{{none|renorm|ghost|best}}[-reverse|-jsd[B]]"
-                         f"[-ce{{W}}] or sampled[N][-reverse|-jsd[B]]")
-    plain, k, tail, divergence, beta, ce_weight, draws, s_divergence, s_beta = m.groups()
+                         f"[-ce{{W}}] or sampled[N][-ghost][-reverse|-jsd[B]]")
+    plain, k, tail, divergence, beta, ce_weight, draws, s_ghost, s_divergence, s_beta = m.groups()
     if plain:
         return Variant(name, plain)
     divergence, beta = (divergence, beta) if k else (s_divergence, s_beta)
@@ -235,8 +236,9 @@ def parse_variant(name: str) -> Variant:
         if divergence and tail not in ("renorm", "ghost"):  # "best" may resolve to none
             raise ValueError(f"variant {name!r}: {divergence} needs tail renorm or ghost")
         return Variant(name, "topk", int(k), tail, float(ce_weight or 0.0), **loss)
-    # the sampled teacher has mass 1 on its draws: renorm is the tail meant for it (README)
-    return Variant(name, "sampled", int(draws or 0), "renorm", **loss)
+    # the sampled teacher has mass 1 on its draws: renorm is the tail meant for it (README); ghost
+    # adds the student's mass outside them as an outcome the teacher gives (floored) nothing
+    return Variant(name, "sampled", int(draws or 0), "ghost" if s_ghost else "renorm", **loss)
 
 
 def with_divergence_ablation(variants: list[str]) -> list[str]:

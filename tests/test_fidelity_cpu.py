@@ -14,6 +14,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_fidelity  # noqa: E402
 
@@ -92,3 +94,15 @@ def test_packing_ablation_reports_both_settings_on_whole_documents(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| top8-renorm | documents+positions |" in md and "| top8-renorm | none |" in md, md
     assert not (tmp_path / "work").exists()
+
+
+def test_sampled_variants_take_the_renorm_or_the_ghost_tail():
+    from bench_fidelity import parse_variant
+
+    assert (parse_variant("sampled64").tail, parse_variant("sampled64").k) == ("renorm", 64)
+    ghost = parse_variant("sampled64-ghost-reverse")
+    assert (ghost.kind, ghost.k, ghost.tail, ghost.divergence, ghost.cache) == ("sampled", 64, "ghost", "reverse",
+                                                                               "sampled64")
+    assert parse_variant("sampled-ghost-jsd0.3").jsd_beta == 0.3
+    with pytest.raises(ValueError, match="unknown variant"):
+        parse_variant("sampled64-none")
