@@ -37,7 +37,8 @@ End to end, nothing precomputed:
      top{K}-{tail}         the fused top-K loss from the cache (``KDForwardStep``, what
                            ``megatron-kd train`` runs), tail none / renorm / ghost
      sampled[N][-ghost]    the fused loss on the sampled cache (tail renorm, or ghost: the student's
-                           mass outside the draws as one more outcome; N draws, or chosen)
+                           mass outside the draws as one more outcome; N draws, or chosen); -ce{W}
+                           and -reverse / -jsd[B] as for top-K, e.g. sampled64-reverse-ce0.1
      top{K}-{tail}-ce{W}   the same with hard-label cross-entropy weight W; tail "best" is the
                            tail whose plain top-K variants scored best on held-out cross-entropy
      ...-reverse, ...-jsd[B]  a top-K or sampled variant with another divergence of the same cached
@@ -212,7 +213,7 @@ class Variant:
 _NUMBER = r"\d+(?:\.\d+)?"
 _DIVERGENCE = rf"(?:-(reverse|jsd)({_NUMBER})?)?"
 _VARIANT = re.compile(rf"^(?:(ce|online)|top(\d+)-({'|'.join(TAILS)}|best){_DIVERGENCE}(?:-ce({_NUMBER}))?"
-                      rf"|sampled(\d+)?(-ghost)?{_DIVERGENCE})$")
+                      rf"|sampled(\d+)?(-ghost)?{_DIVERGENCE}(?:-ce({_NUMBER}))?)$")
 SUPPORT_DIVERGENCES = tuple(d for d in DIVERGENCES if d != "forward")
 
 
@@ -220,8 +221,8 @@ def parse_variant(name: str) -> Variant:
     m = _VARIANT.match(name)
     if m is None:
         raise ValueError(f"unknown variant {name!r}: ce, online, top{{K}}-{{none|renorm|ghost|best}}[-reverse|-jsd[B]]"
-                         f"[-ce{{W}}] or sampled[N][-ghost][-reverse|-jsd[B]]")
-    plain, k, tail, divergence, beta, ce_weight, draws, s_ghost, s_divergence, s_beta = m.groups()
+                         f"[-ce{{W}}] or sampled[N][-ghost][-reverse|-jsd[B]][-ce{{W}}]")
+    plain, k, tail, divergence, beta, ce_weight, draws, s_ghost, s_divergence, s_beta, s_ce_weight = m.groups()
     if plain:
         return Variant(name, plain)
     divergence, beta = (divergence, beta) if k else (s_divergence, s_beta)
@@ -238,7 +239,8 @@ def parse_variant(name: str) -> Variant:
         return Variant(name, "topk", int(k), tail, float(ce_weight or 0.0), **loss)
     # the sampled teacher has mass 1 on its draws: renorm is the tail meant for it (README); ghost
     # adds the student's mass outside them as an outcome the teacher gives (floored) nothing
-    return Variant(name, "sampled", int(draws or 0), "ghost" if s_ghost else "renorm", **loss)
+    return Variant(name, "sampled", int(draws or 0), "ghost" if s_ghost else "renorm", float(s_ce_weight or 0.0),
+                   **loss)
 
 
 def with_divergence_ablation(variants: list[str]) -> list[str]:

@@ -104,5 +104,6 @@ def test_sampled_variants_take_the_renorm_or_the_ghost_tail():
     assert (ghost.kind, ghost.k, ghost.tail, ghost.divergence, ghost.cache) == ("sampled", 64, "ghost", "reverse",
                                                                                "sampled64")
     assert parse_variant("sampled-ghost-jsd0.3").jsd_beta == 0.3
+    assert (parse_variant("sampled64-reverse-ce0.1").ce_weight, parse_variant("sampled64").ce_weight) == (0.1, 0.0)
     with pytest.raises(ValueError, match="unknown variant"):
         parse_variant("sampled64-none")

@@ -246,15 +246,13 @@ def test_killed_demo_resumes_with_the_same_trajectory(tmp_path, monkeypatch):
     assert all(ids == list(range((step - 1) * 16, step * 16)) for step, ids in seen)
 
 
-def test_reverse_and_jsd_on_a_sampled_cache_are_warned_at_startup():
+def test_reverse_and_jsd_with_the_renorm_tail_are_warned_at_startup():
     """The combination the GPU fidelity preset measured to fail gets one line; the rest none."""
     from megatron_kd.megatron.train import divergence_warning
 
     for divergence in ("reverse", "jsd"):
-        line = divergence_warning("sampled", divergence, "renorm", 1.0)
-        assert line.startswith(f"warning: --kd-divergence {divergence} with --kd-tail renorm on a sampled cache")
-        assert "\n" not in line
-    assert divergence_warning("sampled", "forward", "renorm", 1.0) is None
-    assert divergence_warning("topk", "reverse", "renorm", 1.0) is None
-    assert divergence_warning("sampled", "reverse", "ghost", 1.0) is None  # scores the rest: not measured
-    assert divergence_warning("sampled", "reverse", "renorm", 0.0) is None  # no KD term
+        line = divergence_warning(divergence, "renorm", 1.0)
+        assert line.startswith(f"warning: --kd-divergence {divergence} with --kd-tail renorm") and "\n" not in line
+    assert divergence_warning("forward", "renorm", 1.0) is None  # scores the full softmax
+    assert divergence_warning("reverse", "ghost", 1.0) is None
+    assert divergence_warning("reverse", "renorm", 0.0) is None  # no KD term
