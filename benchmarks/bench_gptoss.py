@@ -53,15 +53,18 @@ def parse():
     return p.parse_args()
 
 
+# megatron-core without Transformer Engine: the local spec and none of its fused kernels
+LOCAL_SPEC_FLAGS = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
+                    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
+
+
 def model_flags(opts) -> list[str]:
     from tiny_gpt_oss import recipe_flags
 
     flags = [*recipe_flags("20b", layout=False), "--num-layers", str(opts.layers), "--seq-length", str(opts.seq),
              "--micro-batch-size", "1", "--global-batch-size", str(opts.ep), "--train-iters", "10",
              "--expert-model-parallel-size", str(opts.ep), "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", "201088", "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
-             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--calculate-per-token-loss",
-             "--bf16", "--lr", "1e-5"]
+             "--vocab-size", "201088", *LOCAL_SPEC_FLAGS, "--calculate-per-token-loss", "--bf16", "--lr", "1e-5"]
     if opts.tiny:
         flags += ["--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16",
                   "--moe-ffn-hidden-size", "48", "--ffn-hidden-size", "48", "--num-experts", "4",

@@ -353,10 +353,9 @@ def data_flags(opts, data_prefix: str) -> list[str]:
 
 
 def no_te_flags() -> list[str]:
-    if importlib.util.find_spec("transformer_engine"):
-        return []
-    return ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
-            "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
+    from bench_gptoss import LOCAL_SPEC_FLAGS
+
+    return [] if importlib.util.find_spec("transformer_engine") else list(LOCAL_SPEC_FLAGS)
 
 
 def strip_flags(flags: list[str], drop: dict[str, int]) -> list[str]:

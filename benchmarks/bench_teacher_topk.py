@@ -169,6 +169,7 @@ RANK_EXPERTS = 128 // 8  # the 120B teacher's experts on one rank of its 8-GPU n
 def gpt_oss_rank_teacher(args, vocab: int):
     """examples/gpt_oss/120b.sh's teacher as one rank of its node holds it (module docstring)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "models"))
+    from bench_gptoss import LOCAL_SPEC_FLAGS
     from tiny_gpt_oss import recipe_flags
 
     from megatron_kd.megatron.train import parse_megatron_args
@@ -177,8 +178,7 @@ def gpt_oss_rank_teacher(args, vocab: int):
     flags = [*recipe_flags("120b", layout=False), "--num-layers", str(args.layers), "--num-experts", str(RANK_EXPERTS),
              "--expert-model-parallel-size", "1", "--seq-length", str(args.seq_length), "--micro-batch-size", "1",
              "--global-batch-size", "1", "--train-iters", "1", "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", str(vocab), "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
-             "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--bf16", "--lr", "1e-5"]
+             "--vocab-size", str(vocab), *LOCAL_SPEC_FLAGS, "--bf16", "--lr", "1e-5"]
     args_ = parse_megatron_args(flags)
     return gpt_model_from_args(args_).bfloat16()
 

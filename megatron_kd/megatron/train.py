@@ -123,23 +123,10 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
                           packing=DocumentPacking.from_args(args, eod=tokenizer.eod).mode)
         print_rank_0(f"> distilling from {args.kd_cache}: K={train.meta.topk}, mode={train.meta.mode}, "
                      f"{train.meta.num_samples} samples")
-        warning = divergence_warning(args.kd_divergence, args.kd_tail, args.kd_weight)
+        warning = KDConfig.from_args(args).divergence_warning
         if warning:
             print_rank_0(warning)
     return train, valid, test
-
-
-def divergence_warning(divergence: str, tail: str, kd_weight: float) -> str | None:
-    """A line for a combination measured to fail: reverse KL and JSD with the renorm tail compare the
-    student renormalized over the cached tokens (docs/DESIGN.md §1), so nothing lowers its mass on
-    the rest of the vocabulary (forward KL's renorm scores the full softmax). At the fidelity
-    benchmark's GPU preset such students ended worse than cross-entropy alone (README, "Which
-    cache"). Allowed, but said at start-up."""
-    if divergence != "forward" and tail == "renorm" and kd_weight > 0:
-        return (f"warning: --kd-divergence {divergence} with --kd-tail renorm gives no gradient to the student's mass "
-                f"outside the cached tokens; at the fidelity benchmark's GPU preset (64-draw cache) it trained "
-                f"students worse than cross-entropy alone (held-out CE 8.9-9.0 against 3.94; forward KL 3.66)")
-    return None
 
 
 datasets_provider.is_distributed = True

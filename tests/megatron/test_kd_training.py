@@ -248,11 +248,12 @@ def test_killed_demo_resumes_with_the_same_trajectory(tmp_path, monkeypatch):
 
 def test_reverse_and_jsd_with_the_renorm_tail_are_warned_at_startup():
     """The combination the GPU fidelity preset measured to fail gets one line; the rest none."""
-    from megatron_kd.megatron.train import divergence_warning
+    def warning(divergence, tail, weight):
+        return KDConfig(divergence=divergence, tail=tail, weight=weight, ce_weight=1.0).divergence_warning
 
     for divergence in ("reverse", "jsd"):
-        line = divergence_warning(divergence, "renorm", 1.0)
+        line = warning(divergence, "renorm", 1.0)
         assert line.startswith(f"warning: --kd-divergence {divergence} with --kd-tail renorm") and "\n" not in line
-    assert divergence_warning("forward", "renorm", 1.0) is None  # scores the full softmax
-    assert divergence_warning("reverse", "ghost", 1.0) is None
-    assert divergence_warning("reverse", "renorm", 0.0) is None  # no KD term
+    assert warning("forward", "renorm", 1.0) is None  # scores the full softmax
+    assert warning("reverse", "ghost", 1.0) is None
+    assert warning("reverse", "renorm", 0.0) is None  # no KD term
