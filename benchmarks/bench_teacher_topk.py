@@ -15,7 +15,9 @@ tokens, as a rank of EP = 8 does, without the all-to-all (``--layers`` / ``--seq
 The teacher runs forward on one sequence; we time (a) the forward up to the final hidden states,
 (b) ``vocab_parallel_topk`` of those states (projection + top-K + logsumexp, chunked), (c) the bare
 bf16 projection hidden·Wᵀ that any teacher forward pays for its logits. Overhead of extraction =
-(b - c) / (a + c): what the cache adds over a forward that yields logits.
+(b - c) / (a + c): what the cache adds over a forward that yields logits. The same for
+``vocab_parallel_sample`` (``--topk`` draws per token) with each of ``--sample-impls``, and the
+share of rows two implementations draw alike.
 
 ``--pass-samples N`` also times the whole teacher pass over N samples of random tokens written
 to a temporary cache, for each of ``--codecs`` (sampled-counts-v1 in sampled mode, K draws per
@@ -61,6 +63,8 @@ def main():
     p.add_argument("--seq-length", type=int, default=None, help="default: 8192 (dense), 32768 (120b-rank)")
     p.add_argument("--topk", type=int, default=100)
     p.add_argument("--chunk-sizes", default="0,512,1024,2048", help="0 = automatic")
+    p.add_argument("--sample-impls", default="torch,triton",
+                   help="also time vocab_parallel_sample (--topk draws) with each implementation ('' for none)")
     p.add_argument("--breakdown", action="store_true", help="also time the steps of one 2048-token chunk")
     p.add_argument("--pass-samples", default="", metavar="N1[,N2,...]",
                    help="also time a whole teacher pass over N samples (each N; two or more: the marginal cost)")
@@ -96,7 +100,7 @@ def main():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_kd.ops.topk import vocab_parallel_topk
+    from megatron_kd.ops.topk import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
     from megatron_kd.teacher.sources import _hidden_and_weight
 
     parallel_state.initialize_model_parallel(1)
@@ -129,6 +133,19 @@ def main():
             overhead = (t_topk - t_proj) / (t_fwd + t_proj)
             print(f"vocab_parallel_topk chunk {chunk or 'auto':>5}  {t_topk:8.1f} ms  overhead over a logits forward "
                   f"{100 * overhead:5.1f}%  max |logprob - fp32 reference| {err:.1e}")
+        keys = sample_row_keys(0, torch.zeros(1, dtype=torch.int64, device="cuda"), s)  # [s, 1]: hidden's [s, b]
+        draws = {}
+        for impl in filter(None, args.sample_impls.split(",")):
+            run = lambda: vocab_parallel_sample(hidden, weight, args.topk, row_keys=keys, impl=impl)  # noqa: E731
+            t_sample = median_ms(run)
+            draws[impl] = run()
+            overhead = (t_sample - t_proj) / (t_fwd + t_proj)
+            print(f"vocab_parallel_sample {impl:>6} {args.topk} draws  {t_sample:8.1f} ms  overhead over a logits "
+                  f"forward {100 * overhead:5.1f}%")
+        if len(draws) == 2:
+            (ids_a, lps_a), (ids_b, lps_b) = draws.values()
+            same = ((ids_a == ids_b).all(-1) & (lps_a == lps_b).all(-1)).float().mean().item()
+            print(f"  rows drawn alike by {' and '.join(draws)}: {100 * same:.3f}%")
         if args.breakdown:  # per 2048-token chunk; x4 for the whole sequence
             hc = hidden.view(-1, h)[:2048]
             z = torch.mm(hc, weight.t(), out_dtype=torch.float32)

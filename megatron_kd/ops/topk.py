@@ -159,60 +159,114 @@ def draw_uniforms(row_keys: torch.Tensor, num_draws: int) -> torch.Tensor:
     return _shift_right(words, 11).double() * 2.0 ** -53
 
 
+SAMPLE_TILE = 256  # columns per tile of the sampler: its second pass reads num_draws x 256 values of a row
+
+
 @torch.no_grad()
 def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws: int, *,
                           row_keys: torch.Tensor, tp_group: dist.ProcessGroup | None = None,
                           vocab_size: int | None = None, temperature: float = 1.0,
-                          chunk_size: int | None = None):
+                          chunk_size: int | None = None, impl: str = "auto"):
     """``num_draws`` tokens drawn per position from softmax(hidden·Wᵀ/τ), as (ids int64 [..., N],
     logprobs float32 [..., N]): the distinct drawn ids (ascending) with log(count / N), then
     padding (-1, -inf).
 
     ``row_keys`` int64 [...] (hidden's leading shape) keys each row's draws (``sample_row_keys``):
     rows with the same key and logits get the same draws whatever else is in the batch.
+    ``impl``: "torch", "triton" (the kernels of ``sample_triton.py``) or "auto" (Triton on CUDA).
 
-    Inverse CDF in two stages, so no rank needs the full distribution. Every rank turns the same
-    u into a shard, from the cumulative shard masses (the gathered per-rank (max, mass), in fp64:
-    identical on every TP rank), then the shard's owner turns the rest of u into an id by
-    searchsorted in its block's cumulative sum of exp(z - max). The cumulative sum is taken in
-    place in the block's own dtype (fp32 for bf16/fp32 teachers): no second [chunk, V_local]
-    block. fp32 prefix sums round each token's interval by about 2^-24 of the shard's mass, so only
-    tokens below ~1e-6 of it see their (tiny) draw probability distorted; an fp64 copy would double
-    the teacher pass's largest buffer for that.
+    Inverse CDF in three levels, so no rank needs the full distribution and no pass takes the
+    prefix sum of a whole logits block. Each rank cuts its block into tiles of SAMPLE_TILE columns
+    and reads it once for every tile's (max, Σ exp(z - max)). Every rank turns the same u into a
+    shard, from the cumulative shard masses (the gathered per-rank (max, mass), in fp64: identical
+    on every TP rank); the shard's owner turns the rest of u into a tile, from its tiles' cumulative
+    masses (fp64), and the rest into a column, from the prefix sums of that tile alone (the block's
+    dtype: fp32 for bf16/fp32 teachers). A token's draw probability is thus exact to fp64 at the
+    tile level and to ~2^-24 of its tile's mass within it. The Triton path reads the block once,
+    then only the drawn tiles; torch's works on the block in place.
     """
     rank, tp = group_rank(tp_group), group_size(tp_group)
     vocab_local = weight.shape[0]
     lead, n = hidden.shape[:-1], num_draws
     if tuple(row_keys.shape) != tuple(lead):
         raise ValueError(f"row_keys {tuple(row_keys.shape)} must have hidden's leading shape {tuple(lead)}")
+    use_triton = resolve_impl(impl, hidden) == "triton"
+    if use_triton:
+        from megatron_kd.ops.sample_triton import tile_draws, tile_stats
+    else:
+        tile_stats, tile_draws = _tile_stats_torch_, _tile_draws_torch
     keys = row_keys.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     ids_out = torch.empty((*lead, n), dtype=torch.int64, device=hidden.device).view(-1, n)
     lps_out = torch.empty((*lead, n), dtype=torch.float32, device=hidden.device).view(-1, n)
+    # torch's path pads the block to whole tiles: a copy when the last one is ragged
     for a, b, z in _logits_chunks(hidden, weight, tp_group=tp_group, vocab_size=vocab_size,
-                                  temperature=temperature, chunk_size=chunk_size, extra_block=False):
-        row_max = z.amax(-1)
-        cum = z.sub_(row_max.unsqueeze(1)).exp_().cumsum_(-1)  # in place: exp, then prefix sums
-        local_mass = cum[:, -1].clone()  # >= 1: the row's largest entry is exp(0)
-        stats = all_gather_stack(torch.stack([row_max, local_mass], -1), tp_group).double()  # [tp, c, 2]
+                                  temperature=temperature, chunk_size=chunk_size, extra_block=not use_triton):
+        if not use_triton:
+            z = _whole_tiles(z, SAMPLE_TILE)  # overwritten with exp(z - tile max) by the stats
+        tile_max, tile_sumexp = tile_stats(z, SAMPLE_TILE)  # [c, T]
+        row_max = tile_max.amax(-1).double()
+        row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a shard of padding rows only
+        tile_mass = tile_sumexp.double() * (tile_max.double() - row_max.unsqueeze(1)).exp()
+        tile_end = tile_mass.cumsum(-1)
+        local_mass = tile_end[:, -1].contiguous()
+        stats = all_gather_stack(torch.stack([row_max, local_mass], -1), tp_group)  # [tp, c, 2] fp64
         shard_mass = (stats[..., 1] * (stats[..., 0] - stats[..., 0].amax(0)).exp()).t()  # [c, tp]
         shard_end = shard_mass.cumsum(-1)
-        shard_start = torch.cat([torch.zeros_like(shard_end[:, :1]), shard_end[:, :-1]], -1)
+        shard_start = shard_end - shard_mass
         total = shard_end[:, -1:]
         # below the total (u·total can round up to it), so x lies in a shard of positive mass
         x = torch.minimum(draw_uniforms(keys[a:b], n) * total, torch.nextafter(total, torch.zeros_like(total)))
         shard = (x.unsqueeze(-1) >= shard_end.unsqueeze(1)).sum(-1)  # [c, n]
-        mine = shard == rank
         within = ((x - shard_start[:, rank:rank + 1]) / shard_mass[:, rank:rank + 1]).clamp_(0.0, 1.0)
-        target = (within * local_mass.double().unsqueeze(1)).to(cum.dtype)
-        local = torch.searchsorted(cum, target, right=True)
-        # a target rounded up to the row's mass would land past the end: the last entry with mass
-        last = torch.searchsorted(cum, local_mass.unsqueeze(1), right=False)
-        draws = torch.minimum(local, last) + rank * vocab_local
-        del z, cum
-        local_ids = torch.where(mine, draws, -1).to(torch.float32)
+        y = within * local_mass.unsqueeze(1)  # [c, n]: the draw's place in this rank's mass
+        # the tile holding y; one rounded up to the rank's mass: the last tile with mass
+        last_tile = torch.searchsorted(tile_end, local_mass.unsqueeze(1), right=False)
+        tile = torch.minimum(torch.searchsorted(tile_end, y, right=True), last_tile)
+        mass = tile_mass.gather(1, tile)
+        frac = ((y - (tile_end.gather(1, tile) - mass)) / mass).clamp_(0.0, 1.0)
+        tile = torch.where(shard == rank, tile, -1)  # draws owned by another rank: not drawn here
+        cols = tile_draws(z, tile, frac, SAMPLE_TILE)
+        del z
+        local_ids = torch.where(cols >= 0, cols + rank * vocab_local, -1).to(torch.float32)
         all_ids = all_gather_stack(local_ids, tp_group).amax(0)  # exactly one rank owns each draw
         ids_out[a:b], lps_out[a:b] = _counts_to_logprobs(all_ids.long(), n)
     return ids_out.view(*lead, n), lps_out.view(*lead, n)
+
+
+def _whole_tiles(z: torch.Tensor, tile_size: int) -> torch.Tensor:
+    """z [c, V_local] widened with -inf columns to whole tiles (a copy only when the last is ragged)."""
+    pad = -z.shape[1] % tile_size
+    return torch.nn.functional.pad(z, (0, pad), value=float("-inf")) if pad else z
+
+
+def _tile_stats_torch_(z: torch.Tensor, tile_size: int):
+    """``sample_triton.tile_stats`` in torch (z's dtype) for z of whole tiles, which it overwrites
+    with exp(z - tile max): the values ``_tile_draws_torch`` takes."""
+    tiles = z.view(z.shape[0], -1, tile_size)
+    tile_max = tiles.amax(-1)
+    tiles.sub_(torch.where(tile_max == float("-inf"), 0.0, tile_max).unsqueeze(-1)).exp_()
+    return tile_max, tiles.sum(-1)
+
+
+def _tile_draws_torch(e: torch.Tensor, tile: torch.Tensor, frac: torch.Tensor, tile_size: int) -> torch.Tensor:
+    """``sample_triton.tile_draws`` in torch, from (and overwriting) ``_tile_stats_torch_``'s
+    exp(z - tile max): per draw, the first column of its tile whose prefix sum exceeds frac × the
+    tile's sum, by a binary search of every draw at once (log2(tile) gathers of [c, N]).
+
+    The prefix sums are sequential, so each is >= the one before: the first one above a value
+    rises there, and only columns of positive mass are drawn. A fraction rounded up to 1 searches
+    just below the tile's sum instead: its last column with mass."""
+    rows = e.shape[0]
+    cum = e.view(rows, -1, tile_size).cumsum_(-1).view(rows, -1)
+    start = tile.clamp(min=0) * tile_size  # [c, n]: the drawn tile's first column
+    total = cum.gather(1, start + tile_size - 1)
+    target = torch.minimum(frac.to(cum.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    lo, hi = torch.zeros_like(start), torch.full_like(start, tile_size - 1)  # the column is in [lo, hi]
+    for _ in range(tile_size.bit_length() - 1):
+        mid = (lo + hi) // 2
+        above = cum.gather(1, start + mid) > target
+        hi, lo = torch.where(above, mid, hi), torch.where(above, lo, mid + 1)
+    return torch.where(tile >= 0, start + lo, -1)
 
 
 def _counts_to_logprobs(draws: torch.Tensor, n: int):
