@@ -30,7 +30,9 @@ t(N1)) over N2 - N1 logits forwards, what every sample of a long pass costs once
 (the first forward's start, the last shard's compression) is paid. With ``--answer-fraction F``
 each pass runs once more with chat data's loss mask (``CaptureConfig.masked``: the top-K or the
 draws only at the answer tokens): answer spans alternate with prompt spans, lengths drawn from
-exponentials of mean ``--span-tokens`` x F (answer) and x (1 - F) (prompt).
+exponentials of mean ``--span-tokens`` x F (answer) and x (1 - F) (prompt). ``--profile-pass``
+runs the shortest pass once more per codec under torch's profiler: how much of it the GPU spends
+busy, what over the logits forwards, and which kernels take it.
 
 ``--store-rate 1,2,4`` needs no GPU: it stores ``--store-samples`` synthetic samples (ids of
 Zipf-like gaps, Student-t log-probs holding 0.9 of the mass; sampled rows draw K tokens from them)
@@ -76,6 +78,9 @@ def main():
     p.add_argument("--workers", default=None, metavar="W1,W2,...",
                    help="store workers of --pass-samples, one pass each (default: write_behind.default_workers())")
     p.add_argument("--no-inline", action="store_true", help="--pass-samples without the inline pass")
+    p.add_argument("--profile-pass", action="store_true",
+                   help="--pass-samples: once more per codec (the shortest pass, stores behind) under torch's "
+                        "profiler: the GPU's busy and idle time and its kernels by time")
     p.add_argument("--switch-intervals", default=None, metavar="S1,S2,...",
                    help="the interpreter's GIL switch interval (s) of each --pass-samples pass behind (default: "
                         "the process's, Python's 0.005)")
@@ -280,6 +285,11 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
             warm = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n)
             inline(warm, dataset[:n])
             warm.close()
+        if getattr(args, "profile_pass", False):
+            n = min(lengths)
+            with tempfile.TemporaryDirectory() as tmp:
+                profile_pass(behind(counts[0], intervals[0], False), dataset[:n], sync, n * logits_forward_s,
+                             lambda: _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n))
         runs = [] if args.no_inline else [("stores inline", inline)]
         runs += [(f"stores behind, {workers} workers" + (f", switch {interval * 1e3:g} ms" if interval else "")
                   + (", answer tokens only" if masked else ""), behind(workers, interval, masked))
@@ -306,6 +316,38 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
                       f"{s / per_sample:,.0f} tokens/s, overhead over a logits forward "
                       f"{100 * (per_sample / logits_forward_s - 1):5.1f}%; 8 GPUs: 1 B tokens in "
                       f"{1e9 / (8 * s / per_sample) / 3600:.2f} h", flush=True)
+
+
+def profile_pass(run, data, sync, logits_forwards_s: float, make_writer) -> None:
+    """``run`` over ``data`` into ``make_writer()`` under torch's profiler: wall time (the profiler's
+    own cost included), the union of the GPU's kernel intervals (busy) against the logits forwards
+    the pass needs, and the kernels (CPU ops without a GPU) ranked by their own time."""
+    import time
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        w = make_writer()
+        sync()
+        start = time.perf_counter()
+        run(w, data)
+        w.close()
+        sync()
+        wall = time.perf_counter() - start
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == DeviceType.CUDA):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    busy /= 1e6
+    print(f"  profiled pass, {len(data)} samples: wall {wall:.2f} s, GPU busy {busy:.2f} s "
+          f"({100 * busy / wall:.1f}% of the wall), {100 * (busy / logits_forwards_s - 1):+.1f}% over the logits "
+          f"forwards' {logits_forwards_s:.2f} s; idle {wall - busy:.2f} s", flush=True)
+    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
 
 
 def synthetic_rows(n: int, seq: int, k: int, vocab: int, *, sampled: bool, seed: int = 0):

@@ -1,6 +1,6 @@
 """benchmarks/bench_teacher_topk.py on CPU (its timings need a GPU): the chat loss mask of
---answer-fraction, and the teacher pass of --pass-samples with two lengths and the mask on a tiny
-Megatron teacher (gloo)."""
+--answer-fraction, and the teacher pass of --pass-samples with two lengths, the mask and the
+profiled pass on a tiny Megatron teacher (gloo)."""
 
 import contextlib
 import re
@@ -38,7 +38,8 @@ def _pass(rank, world, log):
                                 add_bias_linear=False, persist_layer_norm=False)
         model = build_gpt_model(cfg, vocab_size=1000, max_sequence_length=64, use_te=False).eval()
         args = types.SimpleNamespace(seq_length=64, topk=8, codecs="topk-v2", workers="1", switch_intervals=None,
-                                     no_inline=True, pass_samples=[2, 4], answer_fraction=0.5, span_tokens=16)
+                                     no_inline=True, pass_samples=[2, 4], answer_fraction=0.5, span_tokens=16,
+                                     profile_pass=True)
         with open(log, "w") as out, contextlib.redirect_stdout(out):
             bench.time_teacher_pass(model, args, 1000, logits_forward_ms=5.0)
         parallel_state.destroy_model_parallel()
@@ -52,3 +53,5 @@ def test_teacher_pass_reports_each_length_the_marginal_cost_and_the_answer_only_
     assert len(full) == len(answers) == 2 and all(a < f for a, f in zip(answers, full))
     assert len(re.findall(r"marginal 2->4: .* per sample", out)) == 2
     assert re.search(r"chat loss mask: 0\.\d+ of the tokens kept", out)
+    assert re.search(r"profiled pass, 2 samples: wall [\d.]+ s, GPU busy 0\.00 s", out)  # no GPU here
+    assert "Self CPU time total" in out
