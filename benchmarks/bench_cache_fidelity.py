@@ -57,35 +57,28 @@ SAMPLED_CODECS = ("topk-v1", "sampled-counts-v1")
 TARGET_BYTES, TARGET_GAP = 40.0, 0.01
 
 
-class _Rows:
-    """Stands in for a CacheWriter in ``capture_teacher``: keeps what the teacher pass writes."""
-
-    def __init__(self, samples: int):
-        self.samples, self.ids, self.lps = samples, {}, {}
-
-    def pending_samples(self) -> np.ndarray:
-        return np.arange(self.samples)
-
-    def write(self, samples, ids, lps):
-        for i, s in enumerate(np.atleast_1d(samples)):
-            self.ids[int(s)], self.lps[int(s)] = ids[i].cpu().clone(), lps[i].cpu().float().clone()
-
-    def pool(self) -> list:
-        return [(self.ids[s], self.lps[s]) for s in range(self.samples)]
-
-
 def teacher_streams(bench: bf.Bench, rows: int, topk: int, draws: list[int]) -> dict:
-    """name -> (mode, K, pool of (ids, logprobs) per sample) from the bench's teacher pass."""
+    """name -> (mode, K, pool of (ids, logprobs) per sample) from the bench's teacher pass, written
+    to a lossless cache of the mode's default codec (topk-v2, sampled-counts-v1) under the bench's
+    work directory and read back."""
+    from megatron_kd.cache import CacheReader, CacheWriter
     from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
 
     teacher = MegatronTeacher(bf.Autocast(bench.teacher, bench.dtype), vocab_size=bench.vocab, fingerprint="rows")
     out = {}
     for mode, k in [("topk", topk), *(("sampled", n) for n in draws)]:
-        kept = _Rows(rows)
-        capture_teacher(teacher, bench.student_ds, kept,
+        name = f"top{k}" if mode == "topk" else f"sampled{k}"
+        path = bench.work / "streams" / name
+        shutil.rmtree(path, ignore_errors=True)
+        meta = {"mode": "sampled", "sampled_draws": k} if mode == "sampled" else None
+        writer = CacheWriter(path, vocab_size=bench.vocab, topk=k, seq_length=bench.p.seq_length, num_samples=rows,
+                             metadata=meta)
+        capture_teacher(teacher, bench.student_ds, writer,
                         CaptureConfig(topk=k, mode=mode, micro_batch_size=bench.p.micro_batch_size, seed=bench.p.seed),
                         device=bench.device, progress=False)
-        out[f"top{k}" if mode == "topk" else f"sampled{k}"] = (mode, k, kept.pool())
+        assert writer.close(), f"{path}: the teacher pass left samples unwritten"
+        reader = CacheReader(path)
+        out[name] = (mode, k, [tuple(t[0] for t in reader.read([i])) for i in range(rows)])
     return out
 
 
