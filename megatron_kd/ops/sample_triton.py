@@ -1,8 +1,8 @@
 """The two passes of ``vocab_parallel_sample`` over a logits block as Triton kernels (its CUDA path).
 
-The sampler (``topk.py``) draws by inverse CDF in two levels, so that no pass takes the prefix sum
-of a whole [c, V_local] block (torch's path over it, amax + exp + cumsum in place, moved each fp32
-block five times):
+The sampler (``topk.py``) draws by inverse CDF in three levels (shard, tile, column), so that no
+pass takes the prefix sum of a whole [c, V_local] block (amax, exp and a cumulative sum over it move
+each fp32 block five times; these two kernels read it once, then only the drawn tiles):
 
 * ``tile_stats_kernel`` reads each row once and writes, per tile of TILE columns, the tile's max
   and Σ exp(z - max): [c, V_local / TILE] values, which the sampler turns (in fp64) into the tiles'
