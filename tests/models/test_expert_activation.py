@@ -6,20 +6,15 @@ On CPU the kernels run in Triton's interpreter (conftest sets it without a GPU);
 the same tests run them compiled (`pytest -m cuda`), also in bf16.
 """
 
-import os
-
 import pytest
 import torch
 
 from megatron_kd.models.expert_activation import clamped_glu, is_quick_gelu
 from megatron_kd.models.experts import _scaled_activation_with_bias_column, bias_column_width
 from megatron.core.activations import quick_gelu
+from triton_device import DEVICE, TRITON_DEVICE_MARKS
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.cuda if DEVICE == "cuda" else pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton needs CUDA or its interpreter"),
-]
+pytestmark = TRITON_DEVICE_MARKS  # compiled on a GPU (`pytest -m cuda`), else Triton's interpreter
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # relative (Frobenius), to the float64 result
 

@@ -14,19 +14,14 @@ On CPU the kernels run in Triton's interpreter (conftest sets it without a GPU),
 small; on a GPU machine the same tests run them compiled on CUDA tensors.
 """
 
-import os
-
 import pytest
 import torch
 
 from dist_utils import spawn
 from megatron_kd.ops.topk import SAMPLE_TILE, draw_uniforms, sample_row_keys, vocab_parallel_sample
+from triton_device import DEVICE, TRITON_DEVICE_MARKS
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [  # the GPU's kernels where there is one (`pytest -m cuda`), else Triton's interpreter
-    pytest.mark.cuda if DEVICE == "cuda" else pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton needs CUDA or its interpreter"),
-]
+pytestmark = TRITON_DEVICE_MARKS  # compiled on a GPU (`pytest -m cuda`), else Triton's interpreter
 
 
 def _keys(rows: int, seed: int = 7) -> torch.Tensor:

@@ -4,18 +4,13 @@ On CPU the kernel runs in Triton's interpreter (conftest sets it without a GPU),
 tiny; on a GPU machine the same tests run it compiled on CUDA tensors.
 """
 
-import os
-
 import pytest
 import torch
 
 from megatron_kd.ops.topk import vocab_parallel_topk
+from triton_device import DEVICE, TRITON_DEVICE_MARKS
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [  # the GPU's kernels where there is one (`pytest -m cuda`), else Triton's interpreter
-    pytest.mark.cuda if DEVICE == "cuda" else pytest.mark.skipif(
-        os.environ.get("TRITON_INTERPRET") != "1", reason="Triton needs CUDA or its interpreter"),
-]
+pytestmark = TRITON_DEVICE_MARKS  # compiled on a GPU (`pytest -m cuda`), else Triton's interpreter
 
 
 def _full_topk(hidden, weight, k, vocab_size=None, temperature=1.0):
