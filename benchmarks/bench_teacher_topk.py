@@ -255,6 +255,11 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
     logits_forward_s = logits_forward_ms / 1e3
     print(f"teacher pass over {','.join(map(str, lengths))} x {s} tokens; one logits forward {logits_forward_s:.3f} s, "
           f"{8 * s / logits_forward_s:,.0f} tokens/s for 8 GPUs")
+    def logits_forwards(data):  # what the pass is measured against: the teacher's forward and bf16 logits
+        for x in data:
+            hidden, weight = teacher(x["tokens"][None].to(device), x["position_ids"][None].to(device))
+            hidden.view(-1, hidden.shape[-1]) @ weight.t()
+
     for codec in args.codecs.split(","):
         mode = "sampled" if codec == SAMPLED_COUNTS_V1 else "topk"
 
@@ -289,7 +294,8 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
             n = min(lengths)
             with tempfile.TemporaryDirectory() as tmp:
                 profile_pass(behind(counts[0], intervals[0], False), dataset[:n], sync, n * logits_forward_s,
-                             lambda: _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n))
+                             lambda: _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=args.topk, seq=s, n=n),
+                             logits_forwards)
         runs = [] if args.no_inline else [("stores inline", inline)]
         runs += [(f"stores behind, {workers} workers" + (f", switch {interval * 1e3:g} ms" if interval else "")
                   + (", answer tokens only" if masked else ""), behind(workers, interval, masked))
@@ -318,13 +324,35 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
                       f"{1e9 / (8 * s / per_sample) / 3600:.2f} h", flush=True)
 
 
-def profile_pass(run, data, sync, logits_forwards_s: float, make_writer) -> None:
-    """``run`` over ``data`` into ``make_writer()`` under torch's profiler: wall time (the profiler's
-    own cost included), the union of the GPU's kernel intervals (busy) against the logits forwards
-    the pass needs, and the kernels (CPU ops without a GPU) ranked by their own time."""
+# CUPTI's records of its own buffer stalls sit on the device's timeline but are no kernel
+_PROFILER_OVERHEAD = ("Command Buffer Full",)
+
+
+def _gpu_kernels(prof) -> tuple[float, dict[str, float]]:
+    """Of a finished profile: the GPU's busy time (s, the union of its kernel and copy intervals)
+    and the seconds each kernel name took."""
+    from torch.autograd import DeviceType
+
+    spans, by_name = [], {}
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA or e.name in _PROFILER_OVERHEAD:
+            continue
+        spans.append((e.time_range.start, e.time_range.end))
+        by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / 1e6
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    return busy / 1e6, by_name
+
+
+def profile_pass(run, data, sync, logits_forwards_s: float, make_writer, logits_forwards, rows: int = 25) -> None:
+    """``run`` over ``data`` into ``make_writer()`` under torch's profiler, then ``logits_forwards``
+    over the same data: the pass's wall time (the profiler's own cost included), the GPU's busy time
+    against the logits forwards' (timed unprofiled, and profiled), and the kernels the pass runs
+    beyond the forwards' ranked by their extra GPU time per sample: where its overhead goes."""
     import time
 
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = torch.cuda.is_available()
@@ -337,17 +365,22 @@ def profile_pass(run, data, sync, logits_forwards_s: float, make_writer) -> None
         w.close()
         sync()
         wall = time.perf_counter() - start
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                       if e.device_type == DeviceType.CUDA):
-        busy += max(0.0, b - max(a, end))
-        end = max(end, b)
-    busy /= 1e6
-    print(f"  profiled pass, {len(data)} samples: wall {wall:.2f} s, GPU busy {busy:.2f} s "
-          f"({100 * busy / wall:.1f}% of the wall), {100 * (busy / logits_forwards_s - 1):+.1f}% over the logits "
-          f"forwards' {logits_forwards_s:.2f} s; idle {wall - busy:.2f} s", flush=True)
-    key = "self_device_time_total" if on_gpu else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
+    busy, kernels = _gpu_kernels(prof)
+    with profile(activities=activities) as prof_fwd:
+        logits_forwards(data)
+        sync()
+    busy_fwd, kernels_fwd = _gpu_kernels(prof_fwd)
+    n = len(data)
+    print(f"  profiled pass, {n} samples: wall {wall:.2f} s, GPU busy {busy:.2f} s ({100 * busy / wall:.1f}% of the "
+          f"wall), {100 * (busy / logits_forwards_s - 1):+.1f}% over the logits forwards' {logits_forwards_s:.2f} s "
+          f"({100 * (busy / max(busy_fwd, 1e-9) - 1):+.1f}% over their profiled GPU busy {busy_fwd:.2f} s); idle "
+          f"{wall - busy:.2f} s", flush=True)
+    extra = {name: t - kernels_fwd.get(name, 0.0) for name, t in kernels.items()}
+    extra.update({name: -t for name, t in kernels_fwd.items() if name not in kernels})
+    print(f"  kernels beyond the logits forwards, ms per sample (of {1e3 * (busy - busy_fwd) / n:.2f} ms busy more; "
+          f"a forward is {1e3 * busy_fwd / n:.1f} ms):", flush=True)
+    for name, t in sorted(extra.items(), key=lambda kv: -abs(kv[1]))[:rows]:
+        print(f"    {1e3 * t / n:+8.3f}  {name[:110]}", flush=True)
 
 
 def synthetic_rows(n: int, seq: int, k: int, vocab: int, *, sampled: bool, seed: int = 0):
