@@ -1,18 +1,25 @@
-"""The two passes of ``vocab_parallel_sample`` over a logits block as Triton kernels (its CUDA path).
+"""The passes of ``vocab_parallel_sample`` over a logits block as Triton kernels (its CUDA path).
 
 The sampler (``topk.py``) draws by inverse CDF in three levels (shard, tile, column), so that no
 pass takes the prefix sum of a whole [c, V_local] block (amax, exp and a cumulative sum over it move
-each fp32 block five times; these two kernels read it once, then only the drawn tiles):
+each fp32 block five times; these kernels read it once, then only the drawn tiles):
 
 * ``tile_stats_kernel`` reads each row once and writes, per tile of TILE columns, the tile's max
-  and Σ exp(z - max): [c, V_local / TILE] values, which the sampler turns (in fp64) into the tiles'
-  cumulative masses and, for each draw, its tile and the fraction of that tile's mass below it;
-* ``tile_draw_kernel`` reads only the drawn tiles: per draw it takes the tile's prefix sums of
-  exp(z - tile max) and returns the first column whose sum exceeds fraction × the tile's own total.
+  and Σ exp(z - max): [c, V_local / TILE] values;
+* ``row_mass_kernel`` turns a row's tile statistics into its max and its mass Σ exp(z - row max)
+  (fp64), which the ranks exchange to weigh their shards;
+* ``tile_sample_kernel`` does the rest of a row's draws in one program: each draw's uniform
+  (splitmix64 of the row key, as ``topk.draw_uniforms``), whether it falls in this rank's shard,
+  its tile (a search of the tiles' cumulative masses, fp64) and the fraction of that tile's mass
+  below it, then its column: it reads only the drawn tile and returns the first column whose
+  prefix sum of exp(z - tile max) exceeds fraction × the tile's own total.
 
-The second kernel scales the fraction by the sum it computes itself, so the two kernels' different
-summation orders never move a draw outside its tile, and it picks only columns of positive mass (a
-padding row, z = -inf, is never drawn, however the prefix sums round).
+The two last kernels compute the tiles' cumulative masses with the same code, so they agree to the
+bit on the rank's mass. The column step scales the fraction by the sum it computes itself, so the
+kernels' different summation orders never move a draw outside its tile, and it picks only columns
+of positive mass (a padding row, z = -inf, is never drawn, however the prefix sums round). Folding
+the uniforms, the shard and tile searches into one kernel replaces some fifty small torch launches
+per block with one.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ import triton.language as tl
 from megatron_kd.ops.triton_lse import LOG2E
 
 TILES_PER_PROGRAM = 16
-DRAW_BLOCK = 16
+DRAW_BLOCK = 16  # draws searched at once: a [DRAW_BLOCK, tiles] comparison, then [DRAW_BLOCK, TILE] loads
+_MAX_COMPARE = 16384  # DRAW_BLOCK x tiles compared at once, at most (vocabulary shards past 1M columns)
+# bounds [c, 6] fp64 of each row's draws for this rank (``topk.vocab_parallel_sample``)
+B_LO, B_HI, B_START, B_MASS, B_TOTAL, B_BELOW, NUM_BOUNDS = range(7)
 
 
 @triton.jit
@@ -52,28 +62,86 @@ def tile_stats_kernel(
 
 
 @triton.jit
-def tile_draw_kernel(
-    z_ptr, z_stride,
-    tile_ptr, frac_ptr,  # [c, N] int64 (-1: not drawn here), fp32 in [0, 1]
-    col_ptr,  # out [c, N] int64: the drawn column of this block, -1 where tile is -1
-    N, V: tl.constexpr, TILE: tl.constexpr, DRAW_BLOCK: tl.constexpr,
+def _tile_masses(max_ptr, sumexp_ptr, row, NUM_TILES: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Of row ``row``'s tile statistics: (tile index [BLOCK_T], the row's max (fp64; 0 for a row of
+    padding only), each tile's mass Σ exp(z - row max) and their running sum, fp64 [BLOCK_T], and
+    the row's mass: the running sum's last value)."""
+    t = tl.arange(0, BLOCK_T)
+    m = tl.load(max_ptr + row * NUM_TILES + t, mask=t < NUM_TILES, other=float("-inf"))
+    s = tl.load(sumexp_ptr + row * NUM_TILES + t, mask=t < NUM_TILES, other=0.0)
+    row_max = tl.max(m, axis=0).to(tl.float64)
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    mass = tl.where(t < NUM_TILES, s.to(tl.float64) * tl.exp(m.to(tl.float64) - row_max), 0.0)
+    end = tl.cumsum(mass, axis=0)
+    return t, row_max, mass, end, tl.max(end, axis=0)  # a running sum of masses >= 0 peaks at its end
+
+
+@triton.jit
+def row_mass_kernel(
+    max_ptr, sumexp_ptr,  # [c, NUM_TILES] fp32 (tile_stats_kernel)
+    row_max_ptr, mass_ptr,  # out [c] fp64
+    NUM_TILES: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    draws = tl.program_id(1) * DRAW_BLOCK + tl.arange(0, DRAW_BLOCK)
-    at = row * N + draws
-    tile = tl.load(tile_ptr + at, mask=draws < N, other=-1)
-    frac = tl.load(frac_ptr + at, mask=draws < N, other=0.0)
+    _, row_max, _, _, total = _tile_masses(max_ptr, sumexp_ptr, row, NUM_TILES, BLOCK_T)
+    tl.store(row_max_ptr + row, row_max)
+    tl.store(mass_ptr + row, total)
+
+
+@triton.jit
+def _splitmix64(x):
+    """splitmix64's output function on uint64 words (``topk.splitmix64``)."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def tile_sample_kernel(
+    z_ptr, z_stride,
+    max_ptr, sumexp_ptr,  # [c, NUM_TILES] fp32 (tile_stats_kernel)
+    key_ptr,  # [c] int64 row keys
+    bound_ptr,  # [c, NUM_BOUNDS] fp64: this rank's [lo, hi) of x = u·total, its start and mass, total, below it
+    col_ptr,  # out [c, N] int64: the drawn column of this block, -1 where another rank's shard holds the draw
+    N: tl.constexpr, V: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr,
+    DRAW_BLOCK: tl.constexpr,
+    B_LO: tl.constexpr, B_HI: tl.constexpr, B_START: tl.constexpr, B_MASS: tl.constexpr, B_TOTAL: tl.constexpr,
+    B_BELOW: tl.constexpr, NUM_BOUNDS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    t, _, mass, end, local = _tile_masses(max_ptr, sumexp_ptr, row, NUM_TILES, BLOCK_T)
+    real = t < NUM_TILES
+    # y rounded up to the rank's mass lands in the last tile with mass (searchsorted(end, local))
+    last_tile = tl.sum((real & (end < local)).to(tl.int32), axis=0)
+    key = tl.load(key_ptr + row).to(tl.uint64, bitcast=True)
+    bounds = bound_ptr + row * NUM_BOUNDS
+    lo, hi = tl.load(bounds + B_LO), tl.load(bounds + B_HI)
+    start, shard_mass = tl.load(bounds + B_START), tl.load(bounds + B_MASS)
+    total, below = tl.load(bounds + B_TOTAL), tl.load(bounds + B_BELOW)
     k = tl.arange(0, TILE)[None, :]
-    cols = tile[:, None] * TILE + k
-    z = tl.load(z_ptr + row * z_stride + cols, mask=(tile[:, None] >= 0) & (cols < V), other=float("-inf"))
-    _, e = _exp_from_max(z, 1)
-    positive = e > 0.0
-    target = frac * tl.sum(e, axis=1)
-    hit = (tl.cumsum(e, axis=1) > target[:, None]) & positive
-    first = tl.min(tl.where(hit, k, TILE), axis=1)
-    last = tl.max(tl.where(positive, k, -1), axis=1)  # a fraction rounded up to 1: the last with mass
-    col = tile * TILE + tl.where(first < TILE, first, last)
-    tl.store(col_ptr + at, tl.where(tile >= 0, col, -1), mask=draws < N)
+    for d0 in range(0, N, DRAW_BLOCK):
+        draws = d0 + tl.arange(0, DRAW_BLOCK)
+        step = (draws + 1).to(tl.uint64) * 0x9E3779B97F4A7C15
+        u = (_splitmix64(key + step) >> 11).to(tl.float64) * (1.0 / 9007199254740992.0)  # 2^-53
+        x = tl.minimum(u * total, below)
+        own = (draws < N) & (x >= lo) & (x < hi)
+        y = tl.minimum(tl.maximum((x - start) / shard_mass, 0.0), 1.0) * local
+        tile = tl.sum((real[None, :] & (end[None, :] <= y[:, None])).to(tl.int32), axis=1)  # searchsorted, right
+        tile = tl.minimum(tile, last_tile)
+        at = t[None, :] == tile[:, None]
+        tile_mass = tl.sum(tl.where(at, mass[None, :], 0.0), axis=1)
+        tile_start = tl.sum(tl.where(at, end[None, :], 0.0), axis=1) - tile_mass
+        frac = tl.minimum(tl.maximum((y - tile_start) / tile_mass, 0.0), 1.0).to(tl.float32)
+        cols = tile[:, None] * TILE + k
+        z = tl.load(z_ptr + row * z_stride + cols, mask=own[:, None] & (cols < V), other=float("-inf"))
+        tile_top, e = _exp_from_max(z, 1)
+        positive = e > 0.0
+        target = frac * tl.sum(e, axis=1)
+        hit = (tl.cumsum(e, axis=1) > target[:, None]) & positive
+        first = tl.min(tl.where(hit, k, TILE), axis=1)
+        last = tl.max(tl.where(positive, k, -1), axis=1)  # a fraction rounded up to 1: the last with mass
+        col = tile * TILE + tl.where(first < TILE, first, last)
+        tl.store(col_ptr + row * N + draws, tl.where(own, col, -1).to(tl.int64), mask=draws < N)
 
 
 def tile_stats(z: torch.Tensor, tile_size: int):
@@ -90,13 +158,29 @@ def tile_stats(z: torch.Tensor, tile_size: int):
     return tile_max, tile_sumexp
 
 
-def tile_draws(z: torch.Tensor, tile: torch.Tensor, frac: torch.Tensor, tile_size: int) -> torch.Tensor:
-    """Columns [c, N] int64 of z drawn in the given tiles [c, N] (int64, -1 for none: -1 out) at the
-    given fractions [c, N] of each tile's mass."""
-    rows, n = tile.shape
-    cols = torch.empty_like(tile)
-    tile_draw_kernel[(rows, triton.cdiv(n, DRAW_BLOCK))](
-        z, z.stride(0), tile.contiguous(), frac.float().contiguous(), cols, n, V=z.shape[1], TILE=tile_size,
-        DRAW_BLOCK=DRAW_BLOCK, num_warps=8,
+def row_masses(tile_max: torch.Tensor, tile_sumexp: torch.Tensor):
+    """(row max, Σ exp(z - row max)) [c] fp64 of the block whose tile statistics are given; 0 for
+    the max of a row of padding only."""
+    rows, num_tiles = tile_max.shape
+    row_max = torch.empty(rows, dtype=torch.float64, device=tile_max.device)
+    mass = torch.empty_like(row_max)
+    row_mass_kernel[(rows,)](tile_max, tile_sumexp, row_max, mass, NUM_TILES=num_tiles,
+                             BLOCK_T=triton.next_power_of_2(num_tiles), num_warps=4)
+    return row_max, mass
+
+
+def draw_columns(z: torch.Tensor, tile_max: torch.Tensor, tile_sumexp: torch.Tensor, keys: torch.Tensor,
+                 num_draws: int, bounds: torch.Tensor, tile_size: int) -> torch.Tensor:
+    """Columns [c, N] int64 of z drawn by the rows' keys [c] where the draw falls in this rank's
+    shard (``bounds`` [c, NUM_BOUNDS] fp64), -1 elsewhere."""
+    rows, num_tiles = tile_max.shape
+    block_t = triton.next_power_of_2(num_tiles)
+    cols = torch.empty((rows, num_draws), dtype=torch.int64, device=z.device)
+    tile_sample_kernel[(rows,)](
+        z, z.stride(0), tile_max, tile_sumexp, keys.contiguous(), bounds.contiguous(), cols,
+        N=num_draws, V=z.shape[1], NUM_TILES=num_tiles, BLOCK_T=block_t, TILE=tile_size,
+        DRAW_BLOCK=max(1, min(DRAW_BLOCK, _MAX_COMPARE // block_t)),
+        B_LO=B_LO, B_HI=B_HI, B_START=B_START, B_MASS=B_MASS, B_TOTAL=B_TOTAL, B_BELOW=B_BELOW,
+        NUM_BOUNDS=NUM_BOUNDS, num_warps=8,
     )
     return cols

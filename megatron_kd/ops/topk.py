@@ -192,9 +192,9 @@ def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws:
         raise ValueError(f"row_keys {tuple(row_keys.shape)} must have hidden's leading shape {tuple(lead)}")
     use_triton = resolve_impl(impl, hidden) == "triton"
     if use_triton:
-        from megatron_kd.ops.sample_triton import tile_draws, tile_stats
+        from megatron_kd.ops.sample_triton import draw_columns, row_masses, tile_stats
     else:
-        tile_stats, tile_draws = _tile_stats_torch_, _tile_draws_torch
+        tile_stats, row_masses, draw_columns = _tile_stats_torch_, _row_masses_torch, _draw_columns_torch
     keys = row_keys.reshape(-1).to(device=hidden.device, dtype=torch.int64)
     ids_out = torch.empty((*lead, n), dtype=torch.int64, device=hidden.device).view(-1, n)
     lps_out = torch.empty((*lead, n), dtype=torch.float32, device=hidden.device).view(-1, n)
@@ -204,28 +204,18 @@ def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws:
         if not use_triton:
             z = _whole_tiles(z, SAMPLE_TILE)  # overwritten with exp(z - tile max) by the stats
         tile_max, tile_sumexp = tile_stats(z, SAMPLE_TILE)  # [c, T]
-        row_max = tile_max.amax(-1).double()
-        row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # a shard of padding rows only
-        tile_mass = tile_sumexp.double() * (tile_max.double() - row_max.unsqueeze(1)).exp()
-        tile_end = tile_mass.cumsum(-1)
-        local_mass = tile_end[:, -1].contiguous()
+        row_max, local_mass = row_masses(tile_max, tile_sumexp)  # [c] fp64
         stats = all_gather_stack(torch.stack([row_max, local_mass], -1), tp_group)  # [tp, c, 2] fp64
         shard_mass = (stats[..., 1] * (stats[..., 0] - stats[..., 0].amax(0)).exp()).t()  # [c, tp]
         shard_end = shard_mass.cumsum(-1)
-        shard_start = shard_end - shard_mass
-        total = shard_end[:, -1:]
-        # below the total (u·total can round up to it), so x lies in a shard of positive mass
-        x = torch.minimum(draw_uniforms(keys[a:b], n) * total, torch.nextafter(total, torch.zeros_like(total)))
-        shard = (x.unsqueeze(-1) >= shard_end.unsqueeze(1)).sum(-1)  # [c, n]
-        within = ((x - shard_start[:, rank:rank + 1]) / shard_mass[:, rank:rank + 1]).clamp_(0.0, 1.0)
-        y = within * local_mass.unsqueeze(1)  # [c, n]: the draw's place in this rank's mass
-        # the tile holding y; one rounded up to the rank's mass: the last tile with mass
-        last_tile = torch.searchsorted(tile_end, local_mass.unsqueeze(1), right=False)
-        tile = torch.minimum(torch.searchsorted(tile_end, y, right=True), last_tile)
-        mass = tile_mass.gather(1, tile)
-        frac = ((y - (tile_end.gather(1, tile) - mass)) / mass).clamp_(0.0, 1.0)
-        tile = torch.where(shard == rank, tile, -1)  # draws owned by another rank: not drawn here
-        cols = tile_draws(z, tile, frac, SAMPLE_TILE)
+        total = shard_end[:, -1]
+        # draw j falls in shard #{r: shard_end[r] <= x_j}, x_j = u_j · total: this rank's draws have
+        # x in [shard_end[rank - 1], shard_end[rank]); below the total (u·total can round up to it),
+        # so x lies in a shard of positive mass
+        bounds = torch.stack([shard_end[:, rank - 1] if rank else torch.zeros_like(total), shard_end[:, rank],
+                              shard_end[:, rank] - shard_mass[:, rank], shard_mass[:, rank], total,
+                              torch.nextafter(total, torch.zeros_like(total))], -1)
+        cols = draw_columns(z, tile_max, tile_sumexp, keys[a:b], n, bounds, SAMPLE_TILE)
         del z
         local_ids = torch.where(cols >= 0, cols + rank * vocab_local, -1).to(torch.float32)
         all_ids = all_gather_stack(local_ids, tp_group).amax(0)  # exactly one rank owns each draw
@@ -241,17 +231,52 @@ def _whole_tiles(z: torch.Tensor, tile_size: int) -> torch.Tensor:
 
 def _tile_stats_torch_(z: torch.Tensor, tile_size: int):
     """``sample_triton.tile_stats`` in torch (z's dtype) for z of whole tiles, which it overwrites
-    with exp(z - tile max): the values ``_tile_draws_torch`` takes."""
+    with exp(z - tile max): the values ``_draw_columns_torch`` takes."""
     tiles = z.view(z.shape[0], -1, tile_size)
     tile_max = tiles.amax(-1)
     tiles.sub_(torch.where(tile_max == float("-inf"), 0.0, tile_max).unsqueeze(-1)).exp_()
     return tile_max, tiles.sum(-1)
 
 
-def _tile_draws_torch(e: torch.Tensor, tile: torch.Tensor, frac: torch.Tensor, tile_size: int) -> torch.Tensor:
-    """``sample_triton.tile_draws`` in torch, from (and overwriting) ``_tile_stats_torch_``'s
-    exp(z - tile max): per draw, the first column of its tile whose prefix sum exceeds frac × the
-    tile's sum, by a binary search of every draw at once (log2(tile) gathers of [c, N]).
+def _tile_masses(tile_max: torch.Tensor, tile_sumexp: torch.Tensor):
+    """The row max (fp64, 0 for a row of padding only), each tile's mass Σ exp(z - row max) and
+    their running sums, fp64 [c, T]."""
+    row_max = tile_max.amax(-1).double()
+    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
+    tile_mass = tile_sumexp.double() * (tile_max.double() - row_max.unsqueeze(1)).exp()
+    return row_max, tile_mass, tile_mass.cumsum(-1)
+
+
+def _row_masses_torch(tile_max: torch.Tensor, tile_sumexp: torch.Tensor):
+    """``sample_triton.row_masses`` in torch."""
+    row_max, _, tile_end = _tile_masses(tile_max, tile_sumexp)
+    return row_max, tile_end[:, -1].contiguous()
+
+
+def _draw_columns_torch(e: torch.Tensor, tile_max: torch.Tensor, tile_sumexp: torch.Tensor, keys: torch.Tensor,
+                        n: int, bounds: torch.Tensor, tile_size: int) -> torch.Tensor:
+    """``sample_triton.draw_columns`` in torch, from (and overwriting) ``_tile_stats_torch_``'s
+    exp(z - tile max): each draw's uniform, whether this rank's shard holds it, its tile (searched
+    in the tiles' fp64 running masses) and the fraction of that tile's mass below it, then its
+    column by ``_tile_column``."""
+    lo, hi, start, shard_mass, total, below = bounds.unsqueeze(-1).unbind(1)  # each [c, 1]
+    x = torch.minimum(draw_uniforms(keys, n) * total, below)  # [c, n]
+    own = (x >= lo) & (x < hi)
+    _, tile_mass, tile_end = _tile_masses(tile_max, tile_sumexp)
+    local_mass = tile_end[:, -1:]
+    y = ((x - start) / shard_mass).clamp_(0.0, 1.0) * local_mass  # the draw's place in this rank's mass
+    # the tile holding y; one rounded up to the rank's mass: the last tile with mass
+    last_tile = torch.searchsorted(tile_end, local_mass, right=False)
+    tile = torch.minimum(torch.searchsorted(tile_end, y, right=True), last_tile)
+    mass = tile_mass.gather(1, tile)
+    frac = ((y - (tile_end.gather(1, tile) - mass)) / mass).clamp_(0.0, 1.0)
+    return _tile_column(e, torch.where(own, tile, -1), frac, tile_size)
+
+
+def _tile_column(e: torch.Tensor, tile: torch.Tensor, frac: torch.Tensor, tile_size: int) -> torch.Tensor:
+    """Per draw, the first column of its tile whose prefix sum of e (overwritten with them) exceeds
+    frac × the tile's sum, by a binary search of every draw at once (log2(tile) gathers of [c, N]);
+    -1 where ``tile`` is -1.
 
     The prefix sums are sequential, so each is >= the one before: the first one above a value
     rises there, and only columns of positive mass are drawn. A fraction rounded up to 1 searches

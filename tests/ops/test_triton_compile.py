@@ -13,6 +13,6 @@ def test_kernels_compile_for_hopper():
     proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = [line.split(":")[0] for line in proc.stdout.splitlines()]
-    assert compiled == ["topk_candidates_kernel", "tile_stats_kernel", "tile_draw_kernel", *["exp_stats_kernel"] * 2, *["grad_fixup_kernel"] * 4,
+    assert compiled == ["topk_candidates_kernel", "tile_stats_kernel", "row_mass_kernel", "tile_sample_kernel", *["exp_stats_kernel"] * 2, *["grad_fixup_kernel"] * 4,
                         *["row_terms_kernel"] * 4, "scale_rows_kernel", *["bf16_adam_kernel"] * 2,
                         *["_rope_kernel"] * 2, "_gather_sum_kernel"], proc.stdout

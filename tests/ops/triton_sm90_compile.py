@@ -21,7 +21,7 @@ from megatron_kd.ops.topk_kl_triton import (
     row_terms_kernel,
     scale_rows_kernel,
 )
-from megatron_kd.ops.sample_triton import DRAW_BLOCK, TILES_PER_PROGRAM, tile_draw_kernel, tile_stats_kernel
+from megatron_kd.ops import sample_triton as st
 from megatron_kd.ops.topk import SAMPLE_TILE
 from megatron_kd.ops.topk_triton import topk_candidates_kernel
 from megatron_kd.models.moe_permutation import BLOCK_H, _gather_sum_kernel
@@ -45,13 +45,21 @@ def main():
          "cand_val_ptr": "*fp32", "cand_col_ptr": "*i32"},
         {"V": GPT_OSS_VOCAB, "K": 100, "GROUPS": 256, "CAP": 1024, "BLOCK_V": 4096}, num_warps=16,
     )
-    # the sampler's two passes at one rank of an 8-GPU node's vocabulary shard (201,088 / 8)
-    compile_sm90(tile_stats_kernel, {"z_ptr": "*fp32", "z_stride": "i64", "max_ptr": "*fp32", "sumexp_ptr": "*fp32"},
-                 {"V": GPT_OSS_VOCAB // 8, "NUM_TILES": -(-GPT_OSS_VOCAB // 8 // SAMPLE_TILE), "TILE": SAMPLE_TILE,
-                  "TILES_PER_PROGRAM": TILES_PER_PROGRAM}, num_warps=8)
-    compile_sm90(tile_draw_kernel, {"z_ptr": "*fp32", "z_stride": "i64", "tile_ptr": "*i64", "frac_ptr": "*fp32",
-                                    "col_ptr": "*i64", "N": "i32"},
-                 {"V": GPT_OSS_VOCAB // 8, "TILE": SAMPLE_TILE, "DRAW_BLOCK": DRAW_BLOCK}, num_warps=8)
+    # the sampler's passes at one rank of an 8-GPU node's vocabulary shard (201,088 / 8)
+    shard = GPT_OSS_VOCAB // 8
+    tiles = -(-shard // SAMPLE_TILE)
+    compile_sm90(st.tile_stats_kernel, {"z_ptr": "*fp32", "z_stride": "i64", "max_ptr": "*fp32", "sumexp_ptr": "*fp32"},
+                 {"V": shard, "NUM_TILES": tiles, "TILE": SAMPLE_TILE, "TILES_PER_PROGRAM": st.TILES_PER_PROGRAM},
+                 num_warps=8)
+    block_t = triton.next_power_of_2(tiles)
+    compile_sm90(st.row_mass_kernel, {"max_ptr": "*fp32", "sumexp_ptr": "*fp32", "row_max_ptr": "*fp64",
+                                      "mass_ptr": "*fp64"}, {"NUM_TILES": tiles, "BLOCK_T": block_t}, num_warps=4)
+    compile_sm90(st.tile_sample_kernel, {"z_ptr": "*fp32", "z_stride": "i64", "max_ptr": "*fp32", "sumexp_ptr": "*fp32",
+                                         "key_ptr": "*i64", "bound_ptr": "*fp64", "col_ptr": "*i64"},
+                 {"N": 64, "V": shard, "NUM_TILES": tiles, "BLOCK_T": block_t, "TILE": SAMPLE_TILE,
+                  "DRAW_BLOCK": st.DRAW_BLOCK, "B_LO": st.B_LO, "B_HI": st.B_HI, "B_START": st.B_START,
+                  "B_MASS": st.B_MASS, "B_TOTAL": st.B_TOTAL, "B_BELOW": st.B_BELOW, "NUM_BOUNDS": st.NUM_BOUNDS},
+                 num_warps=8)
     rows = {"idx_ptr": "*i64", "owned_ptr": "*fp32", "label_idx_ptr": "*i64", "label_owned_ptr": "*fp32",
             "stats_ptr": "*fp32", "zs_ptr": "*fp32", "K": "i32", "scale_t": "fp32"}
     stats = {"NUM_STATS": 9, "I_MAX": 0, "I_LABEL": 5, "V": GPT_OSS_VOCAB, "NUM_TILES": 50, "BLOCK_V": 4096,
