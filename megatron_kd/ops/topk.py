@@ -211,7 +211,7 @@ def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws:
         total = shard_end[:, -1]
         # draw j falls in shard #{r: shard_end[r] <= x_j}, x_j = u_j · total: this rank's draws have
         # x in [shard_end[rank - 1], shard_end[rank]); below the total (u·total can round up to it),
-        # so x lies in a shard of positive mass
+        # so x lies in a shard of positive mass. [c, 6] in sample_triton's B_* order
         bounds = torch.stack([shard_end[:, rank - 1] if rank else torch.zeros_like(total), shard_end[:, rank],
                               shard_end[:, rank] - shard_mass[:, rank], shard_mass[:, rank], total,
                               torch.nextafter(total, torch.zeros_like(total))], -1)
