@@ -6,20 +6,19 @@ each fp32 block five times; these kernels read it once, then only the drawn tile
 
 * ``tile_stats_kernel`` reads each row once and writes, per tile of TILE columns, the tile's max
   and Σ exp(z - max): [c, V_local / TILE] values;
-* ``row_mass_kernel`` turns a row's tile statistics into its max and its mass Σ exp(z - row max)
-  (fp64), which the ranks exchange to weigh their shards;
+* ``row_mass_kernel`` turns a row's tile statistics into its max, each tile's mass Σ exp(z - row
+  max), their running sum and the row's mass (fp64): the ranks exchange (max, mass) to weigh their
+  shards;
 * ``tile_sample_kernel`` does the rest of a row's draws in one program: each draw's uniform
   (splitmix64 of the row key, as ``topk.draw_uniforms``), whether it falls in this rank's shard,
-  its tile (a search of the tiles' cumulative masses, fp64) and the fraction of that tile's mass
-  below it, then its column: it reads only the drawn tile and returns the first column whose
-  prefix sum of exp(z - tile max) exceeds fraction × the tile's own total.
+  its tile (a binary search of the running masses) and the fraction of that tile's mass below it,
+  then its column: it reads only the drawn tile and returns the first column whose prefix sum of
+  exp(z - tile max) exceeds fraction × the tile's own total.
 
-The two last kernels compute the tiles' cumulative masses with the same code, so they agree to the
-bit on the rank's mass. The column step scales the fraction by the sum it computes itself, so the
-kernels' different summation orders never move a draw outside its tile, and it picks only columns
-of positive mass (a padding row, z = -inf, is never drawn, however the prefix sums round). Folding
-the uniforms, the shard and tile searches into one kernel replaces some fifty small torch launches
-per block with one.
+The column step scales the fraction by the sum it computes itself, so the kernels' different
+summation orders never move a draw outside its tile, and it picks only columns of positive mass (a
+padding row, z = -inf, is never drawn, however the prefix sums round). Folding the uniforms, the
+shard and tile searches into one kernel replaces some fifty small torch launches per block with one.
 """
 
 from __future__ import annotations
@@ -31,8 +30,8 @@ import triton.language as tl
 from megatron_kd.ops.triton_lse import LOG2E
 
 TILES_PER_PROGRAM = 16
-DRAW_BLOCK = 16  # draws searched at once: a [DRAW_BLOCK, tiles] comparison, then [DRAW_BLOCK, TILE] loads
-_MAX_COMPARE = 16384  # DRAW_BLOCK x tiles compared at once, at most (vocabulary shards past 1M columns)
+DRAW_BLOCK = 8  # draws at once: binary searches of [DRAW_BLOCK], then [DRAW_BLOCK, TILE] loads
+DRAW_WARPS = 4  # with DRAW_BLOCK 8: ~120 registers a thread, four programs an SM
 # bounds [c, 6] fp64 of each row's draws for this rank (``topk.vocab_parallel_sample``)
 B_LO, B_HI, B_START, B_MASS, B_TOTAL, B_BELOW, NUM_BOUNDS = range(7)
 
@@ -62,30 +61,39 @@ def tile_stats_kernel(
 
 
 @triton.jit
-def _tile_masses(max_ptr, sumexp_ptr, row, NUM_TILES: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Of row ``row``'s tile statistics: (tile index [BLOCK_T], the row's max (fp64; 0 for a row of
-    padding only), each tile's mass Σ exp(z - row max) and their running sum, fp64 [BLOCK_T], and
-    the row's mass: the running sum's last value)."""
-    t = tl.arange(0, BLOCK_T)
-    m = tl.load(max_ptr + row * NUM_TILES + t, mask=t < NUM_TILES, other=float("-inf"))
-    s = tl.load(sumexp_ptr + row * NUM_TILES + t, mask=t < NUM_TILES, other=0.0)
-    row_max = tl.max(m, axis=0).to(tl.float64)
-    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
-    mass = tl.where(t < NUM_TILES, s.to(tl.float64) * tl.exp(m.to(tl.float64) - row_max), 0.0)
-    end = tl.cumsum(mass, axis=0)
-    return t, row_max, mass, end, tl.max(end, axis=0)  # a running sum of masses >= 0 peaks at its end
-
-
-@triton.jit
 def row_mass_kernel(
     max_ptr, sumexp_ptr,  # [c, NUM_TILES] fp32 (tile_stats_kernel)
-    row_max_ptr, mass_ptr,  # out [c] fp64
+    row_max_ptr, local_ptr,  # out [c] fp64: the row max (0 for a row of padding only), Σ exp(z - row max)
+    tile_mass_ptr, tile_end_ptr,  # out [c, NUM_TILES] fp64: each tile's Σ exp(z - row max), their running sum
     NUM_TILES: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _, row_max, _, _, total = _tile_masses(max_ptr, sumexp_ptr, row, NUM_TILES, BLOCK_T)
+    t = tl.arange(0, BLOCK_T)
+    real = t < NUM_TILES
+    m = tl.load(max_ptr + row * NUM_TILES + t, mask=real, other=float("-inf"))
+    s = tl.load(sumexp_ptr + row * NUM_TILES + t, mask=real, other=0.0)
+    row_max = tl.max(m, axis=0).to(tl.float64)
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    mass = tl.where(real, s.to(tl.float64) * tl.exp(m.to(tl.float64) - row_max), 0.0)
+    end = tl.cumsum(mass, axis=0)
+    tl.store(tile_mass_ptr + row * NUM_TILES + t, mass, mask=real)
+    tl.store(tile_end_ptr + row * NUM_TILES + t, end, mask=real)
     tl.store(row_max_ptr + row, row_max)
-    tl.store(mass_ptr + row, total)
+    tl.store(local_ptr + row, tl.max(end, axis=0))  # a running sum of masses >= 0 peaks at its end
+
+
+@triton.jit
+def _count_at_most(ends_ptr, value, NUM_TILES: tl.constexpr, LOG_TILES: tl.constexpr, STRICT: tl.constexpr):
+    """Per value, #{t: ends[t] <= value} (``STRICT``: < value) of a row's sorted ``ends``: torch's
+    searchsorted(right=True) (right=False), by a binary search of every value at once."""
+    lo = tl.zeros(value.shape, dtype=tl.int32)
+    hi = tl.full(value.shape, NUM_TILES, dtype=tl.int32)
+    for _ in range(LOG_TILES):
+        active, mid = lo < hi, (lo + hi) // 2
+        end = tl.load(ends_ptr + mid, mask=active, other=0.0)
+        below = (end < value) if STRICT else (end <= value)
+        lo, hi = tl.where(active & below, mid + 1, lo), tl.where(active & ~below, mid, hi)
+    return lo
 
 
 @triton.jit
@@ -99,25 +107,26 @@ def _splitmix64(x):
 @triton.jit
 def tile_sample_kernel(
     z_ptr, z_stride,
-    max_ptr, sumexp_ptr,  # [c, NUM_TILES] fp32 (tile_stats_kernel)
+    tile_mass_ptr, tile_end_ptr, local_ptr,  # row_mass_kernel's
     key_ptr,  # [c] int64 row keys
     bound_ptr,  # [c, NUM_BOUNDS] fp64: this rank's [lo, hi) of x = u·total, its start and mass, total, below it
     col_ptr,  # out [c, N] int64: the drawn column of this block, -1 where another rank's shard holds the draw
-    N: tl.constexpr, V: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr,
+    N: tl.constexpr, V: tl.constexpr, NUM_TILES: tl.constexpr, LOG_TILES: tl.constexpr, TILE: tl.constexpr,
     DRAW_BLOCK: tl.constexpr,
     B_LO: tl.constexpr, B_HI: tl.constexpr, B_START: tl.constexpr, B_MASS: tl.constexpr, B_TOTAL: tl.constexpr,
     B_BELOW: tl.constexpr, NUM_BOUNDS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    t, _, mass, end, local = _tile_masses(max_ptr, sumexp_ptr, row, NUM_TILES, BLOCK_T)
-    real = t < NUM_TILES
-    # y rounded up to the rank's mass lands in the last tile with mass (searchsorted(end, local))
-    last_tile = tl.sum((real & (end < local)).to(tl.int32), axis=0)
+    masses, ends = tile_mass_ptr + row * NUM_TILES, tile_end_ptr + row * NUM_TILES
+    local = tl.load(local_ptr + row)
     key = tl.load(key_ptr + row).to(tl.uint64, bitcast=True)
     bounds = bound_ptr + row * NUM_BOUNDS
     lo, hi = tl.load(bounds + B_LO), tl.load(bounds + B_HI)
     start, shard_mass = tl.load(bounds + B_START), tl.load(bounds + B_MASS)
     total, below = tl.load(bounds + B_TOTAL), tl.load(bounds + B_BELOW)
+    # y rounded up to the rank's mass goes to the last tile with mass: the first whose running sum
+    # reaches it
+    last_tile = tl.max(_count_at_most(ends, tl.full((1,), 0.0, tl.float64) + local, NUM_TILES, LOG_TILES, True))
     k = tl.arange(0, TILE)[None, :]
     for d0 in range(0, N, DRAW_BLOCK):
         draws = d0 + tl.arange(0, DRAW_BLOCK)
@@ -126,11 +135,9 @@ def tile_sample_kernel(
         x = tl.minimum(u * total, below)
         own = (draws < N) & (x >= lo) & (x < hi)
         y = tl.minimum(tl.maximum((x - start) / shard_mass, 0.0), 1.0) * local
-        tile = tl.sum((real[None, :] & (end[None, :] <= y[:, None])).to(tl.int32), axis=1)  # searchsorted, right
-        tile = tl.minimum(tile, last_tile)
-        at = t[None, :] == tile[:, None]
-        tile_mass = tl.sum(tl.where(at, mass[None, :], 0.0), axis=1)
-        tile_start = tl.sum(tl.where(at, end[None, :], 0.0), axis=1) - tile_mass
+        tile = tl.minimum(_count_at_most(ends, y, NUM_TILES, LOG_TILES, False), last_tile)
+        tile_mass = tl.load(masses + tile, mask=own, other=1.0)
+        tile_start = tl.load(ends + tile, mask=own, other=0.0) - tile_mass
         frac = tl.minimum(tl.maximum((y - tile_start) / tile_mass, 0.0), 1.0).to(tl.float32)
         cols = tile[:, None] * TILE + k
         z = tl.load(z_ptr + row * z_stride + cols, mask=own[:, None] & (cols < V), other=float("-inf"))
@@ -159,28 +166,29 @@ def tile_stats(z: torch.Tensor, tile_size: int):
 
 
 def row_masses(tile_max: torch.Tensor, tile_sumexp: torch.Tensor):
-    """(row max, Σ exp(z - row max)) [c] fp64 of the block whose tile statistics are given; 0 for
-    the max of a row of padding only."""
+    """Of the block whose tile statistics are given: the row max (0 for a row of padding only), each
+    tile's mass Σ exp(z - row max), their running sums and the row's mass, all fp64 ([c], [c, T],
+    [c, T], [c])."""
     rows, num_tiles = tile_max.shape
     row_max = torch.empty(rows, dtype=torch.float64, device=tile_max.device)
-    mass = torch.empty_like(row_max)
-    row_mass_kernel[(rows,)](tile_max, tile_sumexp, row_max, mass, NUM_TILES=num_tiles,
+    local = torch.empty_like(row_max)
+    tile_mass = torch.empty((rows, num_tiles), dtype=torch.float64, device=tile_max.device)
+    tile_end = torch.empty_like(tile_mass)
+    row_mass_kernel[(rows,)](tile_max, tile_sumexp, row_max, local, tile_mass, tile_end, NUM_TILES=num_tiles,
                              BLOCK_T=triton.next_power_of_2(num_tiles), num_warps=4)
-    return row_max, mass
+    return row_max, tile_mass, tile_end, local
 
 
-def draw_columns(z: torch.Tensor, tile_max: torch.Tensor, tile_sumexp: torch.Tensor, keys: torch.Tensor,
-                 num_draws: int, bounds: torch.Tensor, tile_size: int) -> torch.Tensor:
+def draw_columns(z: torch.Tensor, tile_mass: torch.Tensor, tile_end: torch.Tensor, local_mass: torch.Tensor,
+                 keys: torch.Tensor, num_draws: int, bounds: torch.Tensor, tile_size: int) -> torch.Tensor:
     """Columns [c, N] int64 of z drawn by the rows' keys [c] where the draw falls in this rank's
-    shard (``bounds`` [c, NUM_BOUNDS] fp64), -1 elsewhere."""
-    rows, num_tiles = tile_max.shape
-    block_t = triton.next_power_of_2(num_tiles)
+    shard (``bounds`` [c, NUM_BOUNDS] fp64), -1 elsewhere; the tiles' masses from ``row_masses``."""
+    rows, num_tiles = tile_mass.shape
     cols = torch.empty((rows, num_draws), dtype=torch.int64, device=z.device)
     tile_sample_kernel[(rows,)](
-        z, z.stride(0), tile_max, tile_sumexp, keys.contiguous(), bounds.contiguous(), cols,
-        N=num_draws, V=z.shape[1], NUM_TILES=num_tiles, BLOCK_T=block_t, TILE=tile_size,
-        DRAW_BLOCK=max(1, min(DRAW_BLOCK, _MAX_COMPARE // block_t)),
-        B_LO=B_LO, B_HI=B_HI, B_START=B_START, B_MASS=B_MASS, B_TOTAL=B_TOTAL, B_BELOW=B_BELOW,
-        NUM_BOUNDS=NUM_BOUNDS, num_warps=8,
+        z, z.stride(0), tile_mass, tile_end, local_mass, keys.contiguous(), bounds.contiguous(), cols,
+        N=num_draws, V=z.shape[1], NUM_TILES=num_tiles, LOG_TILES=num_tiles.bit_length(), TILE=tile_size,
+        DRAW_BLOCK=DRAW_BLOCK, B_LO=B_LO, B_HI=B_HI, B_START=B_START, B_MASS=B_MASS, B_TOTAL=B_TOTAL,
+        B_BELOW=B_BELOW, NUM_BOUNDS=NUM_BOUNDS, num_warps=DRAW_WARPS,
     )
     return cols

@@ -204,7 +204,7 @@ def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws:
         if not use_triton:
             z = _whole_tiles(z, SAMPLE_TILE)  # overwritten with exp(z - tile max) by the stats
         tile_max, tile_sumexp = tile_stats(z, SAMPLE_TILE)  # [c, T]
-        row_max, local_mass = row_masses(tile_max, tile_sumexp)  # [c] fp64
+        row_max, tile_mass, tile_end, local_mass = row_masses(tile_max, tile_sumexp)  # fp64 [c], [c, T], [c, T], [c]
         stats = all_gather_stack(torch.stack([row_max, local_mass], -1), tp_group)  # [tp, c, 2] fp64
         shard_mass = (stats[..., 1] * (stats[..., 0] - stats[..., 0].amax(0)).exp()).t()  # [c, tp]
         shard_end = shard_mass.cumsum(-1)
@@ -215,7 +215,7 @@ def vocab_parallel_sample(hidden: torch.Tensor, weight: torch.Tensor, num_draws:
         bounds = torch.stack([shard_end[:, rank - 1] if rank else torch.zeros_like(total), shard_end[:, rank],
                               shard_end[:, rank] - shard_mass[:, rank], shard_mass[:, rank], total,
                               torch.nextafter(total, torch.zeros_like(total))], -1)
-        cols = draw_columns(z, tile_max, tile_sumexp, keys[a:b], n, bounds, SAMPLE_TILE)
+        cols = draw_columns(z, tile_mass, tile_end, local_mass, keys[a:b], n, bounds, SAMPLE_TILE)
         del z
         local_ids = torch.where(cols >= 0, cols + rank * vocab_local, -1).to(torch.float32)
         all_ids = all_gather_stack(local_ids, tp_group).amax(0)  # exactly one rank owns each draw
@@ -238,23 +238,17 @@ def _tile_stats_torch_(z: torch.Tensor, tile_size: int):
     return tile_max, tiles.sum(-1)
 
 
-def _tile_masses(tile_max: torch.Tensor, tile_sumexp: torch.Tensor):
-    """The row max (fp64, 0 for a row of padding only), each tile's mass Σ exp(z - row max) and
-    their running sums, fp64 [c, T]."""
+def _row_masses_torch(tile_max: torch.Tensor, tile_sumexp: torch.Tensor):
+    """``sample_triton.row_masses`` in torch."""
     row_max = tile_max.amax(-1).double()
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
     tile_mass = tile_sumexp.double() * (tile_max.double() - row_max.unsqueeze(1)).exp()
-    return row_max, tile_mass, tile_mass.cumsum(-1)
+    tile_end = tile_mass.cumsum(-1)
+    return row_max, tile_mass, tile_end, tile_end[:, -1].contiguous()
 
 
-def _row_masses_torch(tile_max: torch.Tensor, tile_sumexp: torch.Tensor):
-    """``sample_triton.row_masses`` in torch."""
-    row_max, _, tile_end = _tile_masses(tile_max, tile_sumexp)
-    return row_max, tile_end[:, -1].contiguous()
-
-
-def _draw_columns_torch(e: torch.Tensor, tile_max: torch.Tensor, tile_sumexp: torch.Tensor, keys: torch.Tensor,
-                        n: int, bounds: torch.Tensor, tile_size: int) -> torch.Tensor:
+def _draw_columns_torch(e: torch.Tensor, tile_mass: torch.Tensor, tile_end: torch.Tensor, local_mass: torch.Tensor,
+                        keys: torch.Tensor, n: int, bounds: torch.Tensor, tile_size: int) -> torch.Tensor:
     """``sample_triton.draw_columns`` in torch, from (and overwriting) ``_tile_stats_torch_``'s
     exp(z - tile max): each draw's uniform, whether this rank's shard holds it, its tile (searched
     in the tiles' fp64 running masses) and the fraction of that tile's mass below it, then its
@@ -262,8 +256,7 @@ def _draw_columns_torch(e: torch.Tensor, tile_max: torch.Tensor, tile_sumexp: to
     lo, hi, start, shard_mass, total, below = bounds.unsqueeze(-1).unbind(1)  # each [c, 1]
     x = torch.minimum(draw_uniforms(keys, n) * total, below)  # [c, n]
     own = (x >= lo) & (x < hi)
-    _, tile_mass, tile_end = _tile_masses(tile_max, tile_sumexp)
-    local_mass = tile_end[:, -1:]
+    local_mass = local_mass.unsqueeze(1)
     y = ((x - start) / shard_mass).clamp_(0.0, 1.0) * local_mass  # the draw's place in this rank's mass
     # the tile holding y; one rounded up to the rank's mass: the last tile with mass
     last_tile = torch.searchsorted(tile_end, local_mass, right=False)

@@ -51,15 +51,16 @@ def main():
     compile_sm90(st.tile_stats_kernel, {"z_ptr": "*fp32", "z_stride": "i64", "max_ptr": "*fp32", "sumexp_ptr": "*fp32"},
                  {"V": shard, "NUM_TILES": tiles, "TILE": SAMPLE_TILE, "TILES_PER_PROGRAM": st.TILES_PER_PROGRAM},
                  num_warps=8)
-    block_t = triton.next_power_of_2(tiles)
     compile_sm90(st.row_mass_kernel, {"max_ptr": "*fp32", "sumexp_ptr": "*fp32", "row_max_ptr": "*fp64",
-                                      "mass_ptr": "*fp64"}, {"NUM_TILES": tiles, "BLOCK_T": block_t}, num_warps=4)
-    compile_sm90(st.tile_sample_kernel, {"z_ptr": "*fp32", "z_stride": "i64", "max_ptr": "*fp32", "sumexp_ptr": "*fp32",
-                                         "key_ptr": "*i64", "bound_ptr": "*fp64", "col_ptr": "*i64"},
-                 {"N": 64, "V": shard, "NUM_TILES": tiles, "BLOCK_T": block_t, "TILE": SAMPLE_TILE,
+                                      "local_ptr": "*fp64", "tile_mass_ptr": "*fp64", "tile_end_ptr": "*fp64"},
+                 {"NUM_TILES": tiles, "BLOCK_T": triton.next_power_of_2(tiles)}, num_warps=4)
+    compile_sm90(st.tile_sample_kernel, {"z_ptr": "*fp32", "z_stride": "i64", "tile_mass_ptr": "*fp64",
+                                         "tile_end_ptr": "*fp64", "local_ptr": "*fp64", "key_ptr": "*i64",
+                                         "bound_ptr": "*fp64", "col_ptr": "*i64"},
+                 {"N": 64, "V": shard, "NUM_TILES": tiles, "LOG_TILES": tiles.bit_length(), "TILE": SAMPLE_TILE,
                   "DRAW_BLOCK": st.DRAW_BLOCK, "B_LO": st.B_LO, "B_HI": st.B_HI, "B_START": st.B_START,
                   "B_MASS": st.B_MASS, "B_TOTAL": st.B_TOTAL, "B_BELOW": st.B_BELOW, "NUM_BOUNDS": st.NUM_BOUNDS},
-                 num_warps=8)
+                 num_warps=st.DRAW_WARPS)
     rows = {"idx_ptr": "*i64", "owned_ptr": "*fp32", "label_idx_ptr": "*i64", "label_owned_ptr": "*fp32",
             "stats_ptr": "*fp32", "zs_ptr": "*fp32", "K": "i32", "scale_t": "fp32"}
     stats = {"NUM_STATS": 9, "I_MAX": 0, "I_LABEL": 5, "V": GPT_OSS_VOCAB, "NUM_TILES": 50, "BLOCK_V": 4096,
