@@ -141,7 +141,7 @@ def tile_sample_kernel(
         frac = tl.minimum(tl.maximum((y - tile_start) / tile_mass, 0.0), 1.0).to(tl.float32)
         cols = tile[:, None] * TILE + k
         z = tl.load(z_ptr + row * z_stride + cols, mask=own[:, None] & (cols < V), other=float("-inf"))
-        tile_top, e = _exp_from_max(z, 1)
+        _top, e = _exp_from_max(z, 1)
         positive = e > 0.0
         target = frac * tl.sum(e, axis=1)
         hit = (tl.cumsum(e, axis=1) > target[:, None]) & positive
