@@ -18,7 +18,7 @@ each fp32 block five times; these kernels read it once, then only the drawn tile
 The column step scales the fraction by the sum it computes itself, so the kernels' different
 summation orders never move a draw outside its tile, and it picks only columns of positive mass (a
 padding row, z = -inf, is never drawn, however the prefix sums round). Folding the uniforms, the
-shard and tile searches into one kernel replaces some fifty small torch launches per block with one.
+shard and tile searches into these kernels replaces some fifty small torch launches per block with two.
 """
 
 from __future__ import annotations
