@@ -157,9 +157,9 @@ class CacheWriter:
     ``metadata`` may set temperature, mode ("topk" / "sampled"), sampled_draws, the
     teacher / tokenizer / dataset fingerprints, and "extra" (any JSON-serializable dict).
 
-    ``codec`` (encodings.py): "topk-v1", "topk-v2" or "sampled-counts-v1"; None picks the codec of
-    the store already at ``path`` (so a build started by another version resumes as it began),
-    else the mode's: sampled-counts-v1 for "sampled", topk-v2 for "topk". In sampled mode
+    ``codec`` (encodings.py): "topk-v1", "topk-v2", "sampled-counts-v1" or "topk-v3"; None picks the
+    codec of the store already at ``path`` (so a build started by another version resumes as it
+    began), else the mode's: sampled-counts-v1 for "sampled", topk-v3 for "topk". In sampled mode
     sampled_draws defaults to ``topk`` (a teacher pass draws K per token), or to the existing
     store's.
 

@@ -221,10 +221,10 @@ def add_kd_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Teacher pass: store --kd-samples tokens drawn from the teacher with their counts "
                             "('sampled', Random-Sampling KD: unbiased; the default) or the top-K ('topk').")
     group.add_argument("--kd-cache-codec", choices=("auto", *CODECS), default="auto",
-                       help="Teacher pass: how a new cache stores its rows. auto: topk-v2 for top-K (lossless, "
-                            "~270 bytes/token at K=100, V=201,088), sampled-counts-v1 for sampled (exact counts); "
-                            "topk-v3: top-K probabilities in one-byte levels (within 6.5%% of p, or of 1-p near 1; "
-                            "~190 bytes/token); topk-v1: the first format. A resumed build keeps its store's.")
+                       help="Teacher pass: how a new cache stores its rows. auto: topk-v3 for top-K (probabilities "
+                            "in one-byte levels, within 6.5%% of p or of 1-p near 1; ~180 bytes/token at K=100, "
+                            "V=201,088), sampled-counts-v1 for sampled (exact counts); topk-v2: lossless top-K "
+                            "(~257 bytes/token); topk-v1: the first format. A resumed build keeps its store's.")
     group.add_argument("--kd-samples", type=int, default=None,
                        help=f"Draws per token in sampled mode (>= 1; default {DEFAULT_DRAWS}).")
     group.add_argument("--kd-cache-workers", type=int, default=None,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from codec_bounds import assert_within_codec
 from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
 from megatron_kd.cache import CacheReader, CacheWriter
 from megatron_kd.megatron.data import ByteTokenizer
@@ -58,14 +59,15 @@ def _capture_worker(rank, world, tmp):
         ref_lp, ref_ids = _full_topk(model, dataset, list(range(len(dataset))), group)
         if rank == 0:
             assert writer.close()
-            ids, lps = CacheReader(f"{tmp}/cache").read(range(len(dataset)))
+            reader = CacheReader(f"{tmp}/cache")
+            ids, lps = reader.read(range(len(dataset)))
             # the cache stores entries sorted by id: compare as sorted sets
             got_ids, order = ids.long().sort(-1)
             got_lps = lps.gather(-1, order)
             want_ids, worder = ref_ids.sort(-1)
             want_lps = ref_lp.gather(-1, worder)
             assert torch.equal(got_ids, want_ids)
-            assert (got_lps.double() - want_lps).abs().max() <= 1e-5 + 0.5 / 257
+            assert_within_codec(got_lps, want_lps, reader.meta.codec, slack=1e-5)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -264,11 +266,12 @@ def test_hf_teacher_cache_equals_its_topk(tmp_path, seed):
     tokens = torch.stack([dataset[s]["tokens"] for s in range(len(dataset))])
     with torch.no_grad():
         ref_lp, ref_ids = torch.log_softmax(model(input_ids=tokens).logits.double(), -1).topk(K, -1)
-    ids, lps = CacheReader(tmp_path / "cache").read(range(len(dataset)))
+    reader = CacheReader(tmp_path / "cache")
+    ids, lps = reader.read(range(len(dataset)))
     got_ids, order = ids.long().sort(-1)
     want_ids, worder = ref_ids.sort(-1)
     assert torch.equal(got_ids, want_ids)
-    assert (lps.gather(-1, order).double() - ref_lp.gather(-1, worder)).abs().max() <= 1e-5 + 0.5 / 257
+    assert_within_codec(lps.gather(-1, order), ref_lp.gather(-1, worder), reader.meta.codec, slack=1e-5)
 
 
 def test_hf_teacher_refuses_scaled_logits_checked_on_a_prefix(monkeypatch):
