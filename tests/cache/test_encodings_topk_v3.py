@@ -21,14 +21,13 @@ import numpy as np
 import pytest
 import torch
 
+from codec_bounds import topk_v3_bound
 from kd_inputs import sampled_rows, teacher_topk
 from megatron_kd.cache import CacheError, CacheReader, CacheWriter
 from megatron_kd.cache import entry_codecs as ec
 from megatron_kd.cache.encodings import probability_levels
 from megatron_kd.cache.inspect import inspect, verify
 from megatron_kd.ops import topk_kl_reference
-
-STEP_ERR = math.expm1(ec.LEVEL_STEP / 2)  # the relative error bound of a level
 
 
 def _id_sets(rng, tokens: int, k: int, n: np.ndarray, vocab: int) -> np.ndarray:
@@ -215,8 +214,7 @@ def test_probabilities_and_kl_gradient_within_the_bound(seed):
     levels = probability_levels(lps)
     decoded = torch.from_numpy(np.log(ec.level_probabilities()).astype(np.float32))[levels.long()]
     p, p_hat = lps.double().exp(), decoded.double().exp()
-    rounding = p * (lps.double().abs() + 1) * 2.0**-23  # the decoded log-prob is a float32
-    bound = STEP_ERR * (torch.minimum(p, 1 - p) + ec.LEVEL_FLOOR) + rounding
+    bound = topk_v3_bound(lps)  # the level's error and the decoded log-prob's float32 rounding
     assert ((p_hat - p).abs() <= bound).all(), float(((p_hat - p).abs() / bound).max())
     assert ((p_hat - p).abs() > 0.3 * bound).any()  # the bound is near what happens, not loose
 
