@@ -3,8 +3,8 @@
 The run seed (``MEGATRON_KD_TEST_SEED``):
 - unset: ``CI_SEED``. CI (``.ci/run``) and a plain ``pytest`` draw the same inputs on every run of
   a commit, so the gate passes or fails by the code alone.
-- ``random``: a fresh seed from the OS. ``launch/fresh_seeds.sh`` runs the numerics tests so, a
-  given number of times: fresh inputs are how precision defects are found, outside the gate.
+- ``random``: a fresh seed from the OS. ``launch/fresh_seeds.sh`` runs the suite so, a given
+  number of times: fresh inputs are how precision defects are found, outside the gate.
 - an integer: that seed (a failure's report prints the line that replays it).
 
 Every test starts with torch's, numpy's and Python's global generators seeded from the run seed and
