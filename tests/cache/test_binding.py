@@ -105,11 +105,13 @@ def test_shards_swapped_within_a_partition(store, seed, capsys, name):
 def test_shards_swapped_between_partitions(store, capsys, name):
     # the same place in both partitions, at a shard whose compressed sizes differ (equal sizes happen:
     # the template's ids shard 1 is 2,259 bytes in both), so that stats alone (check_files) see it too
-    pairs = [(_shard(store, 0, name, s), _shard(store, 1, name, s)) for s in (0, 1)]
-    differing = [p for p in pairs if p[0].stat().st_size != p[1].stat().st_size]
-    assert differing, f"every {name} shard pair has one size: {pairs}"
-    a, b = differing[0]
-    shard = int(a.parts[-3])
+    def size(rank, shard):
+        return _shard(store, rank, name, shard).stat().st_size
+
+    differing = [s for s in (0, 1) if size(0, s) != size(1, s)]
+    assert differing, f"{name}: shards 0 and 1 each have one size in both partitions"
+    shard = differing[0]
+    a, b = _shard(store, 0, name, shard), _shard(store, 1, name, shard)
     _swap(a, b)
     _all_refuse(store, [a, b], np.concatenate([_samples_of(0, shard), _samples_of(1, shard)]), capsys)
 
