@@ -8,8 +8,10 @@ product: megatron_kd distills from a teacher cache; this is what that replaces.
 It runs ``megatron-kd train``'s own entry (``megatron_kd.megatron.train.main``: the same parsing,
 student, data, optimizer and Megatron schedule) with its forward step replaced. Per micro-batch:
 
-1. the teacher's logits: a frozen megatron-core GPTModel (random weights in the student's
-   ``params_dtype``, bf16 with ``--bf16``; eval mode, no grad) on the same tokens and positions;
+1. the teacher's logits: a frozen megatron-core GPTModel in the student's ``params_dtype`` (bf16
+   with ``--bf16``; eval mode, no grad) on the same tokens and positions; its weights are a Hugging
+   Face directory's when the teacher's flags name one (``--kd-teacher-hf DIR``, imported as
+   ``cache build`` imports it), else random (a throughput baseline);
 2. the student's logits through Megatron's own output layer;
 3. ``--kd-weight`` x KL(teacher || student) summed over the full vocabulary and the unmasked
    tokens, plus ``--kd-ce-weight`` x the student's cross-entropy, in fp32
@@ -62,12 +64,16 @@ def teacher_args(student_args, teacher_flags: list[str]):
 
 
 def build_teacher(args) -> torch.nn.Module:
-    """The teacher GPTModel of ``args`` (``teacher_args``), frozen."""
+    """The teacher GPTModel of ``args`` (``teacher_args``), frozen: ``--kd-teacher-hf``'s weights, else
+    random ones."""
     from megatron_kd.models.gpt import gpt_model_from_args
+    from megatron_kd.models.hf import init_from_hf
 
     model = gpt_model_from_args(args)
     if torch.cuda.is_available():  # as Megatron's get_model: megatron-core builds the norms on the host
         model.cuda(torch.cuda.current_device())
+    if args.kd_teacher_hf:
+        init_from_hf(model, args.kd_teacher_hf, args)
     return model.requires_grad_(False).eval()
 
 

@@ -8,6 +8,7 @@
    line naming the file, at the flag check
 4. on a machine without CUDA, valid flags end in one line saying so (flag mistakes first)
 5. argparse mistakes of the CLI's own parsers are one line, not a usage block
+6. an unset --eval-interval sizes one evaluation at the end of training
 """
 
 import argparse
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "models"))
+from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
 from tiny_gpt_oss import make_tiny_gpt_oss, tiny_flags  # noqa: E402
 
 from megatron_kd.cli import main  # noqa: E402
@@ -237,3 +239,21 @@ def test_no_cuda_is_one_line_after_the_flag_check(command, capsys, monkeypatch):
 def test_argparse_mistakes_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     assert message in _one_line(capsys)
+
+
+def _eval_interval_worker(rank, world_size):
+    from megatron.training.training import get_train_valid_test_num_samples
+
+    from megatron_kd.megatron.train import parse_megatron_args
+
+    with megatron_cpu_patches():
+        args = parse_megatron_args([*MODEL[:-4], "--train-iters", "30", "--global-batch-size", "4", "--eval-iters", "2"])
+        assert args.eval_interval == 31  # no evaluation during training, one at its end
+        assert list(get_train_valid_test_num_samples()) == [120, 8, 8]
+
+
+def test_an_unset_eval_interval_sizes_one_evaluation_at_the_end():
+    """megatron-core 0.19 divides by --eval-interval when it sizes the validation split, though it
+    documents an unset one as "no evaluation during training"; every command that builds the
+    datasets (cache build, prune, train) would stop there with a TypeError."""
+    spawn(_eval_interval_worker, world_size=1)

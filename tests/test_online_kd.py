@@ -74,3 +74,35 @@ def _worker(rank, world_size, seed):
 
 def test_online_kd_step_is_full_vocabulary_kl_against_a_frozen_teacher(seed):
     spawn(_worker, seed, world_size=1)
+
+
+def _hf_teacher_worker(rank, world_size, seed, hf_dir):
+    from hf_equality import megatron_logits, reference_logits
+    from kd_inputs import rel_err
+    from megatron.core import parallel_state
+    from online_kd import build_teacher, teacher_args
+    from tiny_llama import SEQ, tiny_flags
+    from transformers import AutoConfig
+
+    from megatron_kd.megatron.train import parse_megatron_args
+    from megatron_kd.models.llama import megatron_flags
+
+    with megatron_cpu_patches():
+        args = parse_megatron_args(tiny_flags(hf_dir))  # the student starts from the same directory
+        parallel_state.initialize_model_parallel()
+        tokens = torch.randint(0, 990, (2, SEQ), generator=torch.Generator().manual_seed(seed))
+        want = reference_logits(hf_dir, tokens)
+        # the teacher's flags as a user writes them: hf-flags' output and the directory
+        flags = [*megatron_flags(AutoConfig.from_pretrained(hf_dir)), "--kd-teacher-hf", str(hf_dir)]
+        teacher = build_teacher(teacher_args(args, flags))
+        assert rel_err(megatron_logits(teacher, tokens), want) < 1e-4
+        # control: without the directory the teacher keeps its random weights
+        random_teacher = build_teacher(teacher_args(args, flags[:-2]))
+        assert rel_err(megatron_logits(random_teacher, tokens), want) > 0.5
+
+
+def test_online_teacher_from_a_hugging_face_directory_computes_its_logits(tmp_path, seed):
+    from tiny_llama import make_tiny
+
+    hf_dir = make_tiny("llama", tmp_path / "teacher", seed=seed)
+    spawn(_hf_teacher_worker, seed, str(hf_dir), world_size=1)

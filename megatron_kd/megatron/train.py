@@ -323,6 +323,11 @@ def parse_megatron_args(argv: list[str] | None, args_defaults: dict | None = Non
         args = parse_and_validate_args(extra_args_provider=add_kd_args, args_defaults=megatron_defaults(flags, args_defaults))
     except (AssertionError, ValueError) as e:
         raise FlagError(f"Megatron-LM rejected the arguments: {_validation_text(e)}") from None
+    if args.eval_interval is None and args.train_iters is not None:
+        # megatron-core 0.19 documents an unset --eval-interval as "no evaluation during training", but
+        # sizes the validation split with train_iters // eval_interval (a TypeError in every command
+        # that builds the datasets): that is one evaluation, at the end of training
+        args.eval_interval = args.train_iters + 1
     hf_rows = hf_vocab_rows(hf_dir) if hf_dir else 0
     if args.padded_vocab_size < hf_rows:
         # the checkpoint's embedding has more rows than the tokenizer has tokens (GPT-OSS: 201,088 rows):
