@@ -43,8 +43,10 @@ setup(
         # "auto" takes where it is installed (models/attention.py); quack-kernels comes with it
         "flash4": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl[cu13]==4.8.1"],
         # pytest-xdist: the GPU test command runs its CUDA tests on several workers
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist"],
-        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff"],
+        # megatron-kd gguf-to-hf: transformers reads GGUF files with gguf and loads them through accelerate
+        "gguf": ["gguf>=0.17", "accelerate"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "gguf>=0.17", "accelerate"],
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff", "gguf>=0.17", "accelerate"],
     },
     entry_points={"console_scripts": ["megatron-kd=megatron_kd.cli:main"]},
 )

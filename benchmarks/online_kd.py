@@ -143,7 +143,9 @@ def main(argv: list[str] | None = None) -> None:
 
     teacher_flags, student_flags = split_argv(sys.argv[1:] if argv is None else argv)
     console.setup(False)
-    from megatron_kd.megatron.train import main as train
+    from megatron_kd.megatron.train import main as train, parse_flags
+
+    parse_flags(teacher_flags, prog="online_kd")  # a mistake in the teacher's flags stops here, not at the first step
 
     train(student_flags, step=megatron_step(teacher_flags))
 

@@ -7,9 +7,11 @@
     megatron-kd prune <teacher + data flags> --prune-num-experts N --out DIR   a student cut from the teacher
     megatron-kd plan <Megatron-LM flags> [--gpus 8 --search]       memory per GPU before launching
     megatron-kd hf-flags DIR                   the Megatron-LM model flags of a Llama / Qwen3 directory
+    megatron-kd gguf-to-hf FILE --out DIR      a llama.cpp GGUF file (Llama / Qwen3) -> Hugging Face directory
     megatron-kd cache inspect PATH [--json]    summary of a teacher cache
     megatron-kd cache verify PATH              check metadata, completeness and every chunk
     megatron-kd data chat --input JSONL --output PREFIX <--tokenizer-* flags>   chat data with a loss mask
+    megatron-kd data text --input JSONL --output PREFIX <--tokenizer-* flags>   plain text documents
 
 ``train``, ``cache build``, ``export-hf`` and ``prune`` take every Megatron-LM flag: ``--help`` lists ours,
 ``--help-megatron`` Megatron-LM's. Errors in the input print one line to stderr and exit with
@@ -101,6 +103,19 @@ def _cmd_hf_flags(args) -> int:
     return 0
 
 
+def _cmd_gguf_to_hf(args) -> int:
+    import time
+
+    from megatron_kd.models.gguf import hf_from_gguf
+
+    start = time.perf_counter()
+    s = hf_from_gguf(args.gguf, args.out)
+    types = ", ".join(f"{count} {kind}" for kind, count in s["tensor_types"].items())
+    print(f"{s['out']}: {s['architecture']}, {s['layers']} layers, hidden size {s['hidden_size']}, vocabulary "
+          f"{s['vocab_size']}; tensors {types} -> float32 ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
 def _cmd_plan(args) -> int:
     from megatron_kd.megatron.plan import main as plan_main
 
@@ -111,6 +126,12 @@ def _cmd_data_chat(args) -> int:
     from megatron_kd.data.chat import main as chat_main
 
     return chat_main(args.chat_args)
+
+
+def _cmd_data_text(args) -> int:
+    from megatron_kd.data.text import main as text_main
+
+    return text_main(args.text_args)
 
 
 def _cmd_cache_build(args) -> int:
@@ -218,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     hf_flags.add_argument("path", metavar="DIR")
     hf_flags.set_defaults(func=_cmd_hf_flags)
 
+    gguf_to_hf = commands.add_parser("gguf-to-hf", help="Write a llama.cpp GGUF file (Llama / Qwen3) as a Hugging "
+                                                        "Face directory, its weights dequantized to float32 (needs "
+                                                        "pip install 'megatron_kd[gguf]').")
+    gguf_to_hf.add_argument("gguf", metavar="FILE", help="The .gguf file.")
+    gguf_to_hf.add_argument("--out", metavar="DIR", required=True, help="The directory to write (new or empty).")
+    gguf_to_hf.set_defaults(func=_cmd_gguf_to_hf)
+
     cache = commands.add_parser("cache", help="Teacher top-K caches (Zarr v3 stores).")
     cache_cmds = cache.add_subparsers(dest="cache_command", required=True)
     p = cache_cmds.add_parser("build", help="Teacher pass (GPUs; launch with torchrun): the student's Megatron-LM data "
@@ -232,13 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = cache_cmds.add_parser("verify", help="Check metadata, every partition's completeness and that every chunk decodes.")
     p.add_argument("path", help="Path of the cache store.")
     p.set_defaults(func=_cmd_cache_verify)
-    data = commands.add_parser("data", help="Training data: conversations rendered with a per-token loss mask.")
+    data = commands.add_parser("data", help="Training data: conversations rendered with a per-token loss mask, "
+                                            "plain text documents.")
     data_cmds = data.add_subparsers(dest="data_command", required=True)
     p = data_cmds.add_parser("chat", help="OpenAI-style conversations (JSONL) -> a Megatron indexed dataset in "
                                           "harmony format (or the tokenizer's chat template) with a loss mask on "
                                           "the assistant's tokens; --help lists the flags.", add_help=False)
     p.add_argument("chat_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_data_chat)
+    p = data_cmds.add_parser("text", help="Plain text documents (JSONL, one per line) -> a Megatron indexed "
+                                          "dataset, EOD after each document (Megatron-LM's "
+                                          "tools/preprocess_data.py); --help lists the flags.", add_help=False)
+    p.add_argument("text_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_data_text)
     return parser
 
 
@@ -264,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:2] == ["data", "chat"]:  # its own parser (Megatron-LM's --tokenizer-* flags among them)
             checking = False
             return _cmd_data_chat(argparse.Namespace(chat_args=argv[2:]))
+        if argv[:2] == ["data", "text"]:  # likewise
+            checking = False
+            return _cmd_data_text(argparse.Namespace(text_args=argv[2:]))
         # train / cache build / export-hf / prune take Megatron-LM's own flags: hand them over untouched
         for command, run in commands.items():
             if tuple(argv[:len(command)]) == command:

@@ -98,6 +98,11 @@ class PieceEncoder:
         return ids, mask
 
 
+def token_dtype(tokenizer) -> type:
+    """The token dataset's dtype: uint16 when every id fits, else int32."""
+    return np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
+
+
 def chat_template(tokenizer) -> str | None:
     """The template ``--chat-template`` gave the Megatron tokenizer, else its Hugging Face tokenizer's own."""
     hf = _hf(tokenizer)
@@ -204,8 +209,7 @@ def build_chat_dataset(input_path, output_prefix, tokenizer, settings: MaskSetti
     prefix.parent.mkdir(parents=True, exist_ok=True)
     sidecar_path(prefix).unlink(missing_ok=True)  # no sidecar describes half-written files
     files = [Path(f"{p}.{ext}") for p in (prefix, mask_prefix(prefix)) for ext in ("bin", "idx")]
-    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
-    tokens = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    tokens = IndexedDatasetBuilder(f"{prefix}.bin", dtype=token_dtype(tokenizer))
     masks = IndexedDatasetBuilder(f"{mask_prefix(prefix)}.bin", dtype=np.uint8)
     mask_hash = hashlib.sha256()
     documents = n_tokens = n_loss = truncated = 0
@@ -276,12 +280,12 @@ def chat_parser() -> argparse.ArgumentParser:
     return _add_tokenizer_args(parser)
 
 
-def build_tokenizer(args):
+def build_tokenizer(args, command: str = "data chat"):
     """The Megatron tokenizer that ``--tokenizer-*`` flags name, as ``train`` builds it."""
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
 
     if args.tokenizer_type is None:
-        raise FlagError("data chat needs --tokenizer-type (and --tokenizer-model DIR), as train gets them")
+        raise FlagError(f"{command} needs --tokenizer-type (and --tokenizer-model DIR), as train gets them")
     args.pad_vocab_size = False  # the dataset holds token ids; the vocabulary padding is the model's
     try:
         return megatron_build_tokenizer(args)
