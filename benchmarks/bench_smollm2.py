@@ -7,7 +7,8 @@ instruct model's chat distillation.
     python benchmarks/bench_smollm2.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --corpora /data/corpora \\
         --work runs/smollm2 [--seeds 1234,1235] [--jobs 8]                        # one GPU, ~15 minutes
 
-Every step is a ``megatron-kd`` command under torchrun, as a user runs it (``--dry-run`` prints them):
+Every step is a ``megatron-kd`` command under torchrun, as a user runs it (``--dry-run`` prints them),
+with the run's shape and optimizer of the one-GPU recipe ``examples/smollm2/heal.sh`` (``smollm2.sh``):
 
 1. ``gguf-to-hf``: the GGUF file -> the teacher's Hugging Face directory; ``hf-flags`` its model flags;
 2. ``data text`` (the healing text: the Python 3.11 documentation) and ``data chat --renderer
@@ -49,12 +50,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-# the run's shape: 200 steps of 32 x 1,024 tokens, two passes over the healing text
-PRESETS = {
-    "gpu": dict(seq_length=1024, global_batch=32, micro_batch=4, train_iters=200, lr=2e-4, min_lr=2e-5,
-                warmup_iters=10, eval_iters=4, calib_samples=256, chat_iters=60, ood_windows=128,
-                eval_batch=8),
-}
+# the run's shape and optimizer are examples/smollm2/smollm2.sh's (SMOL_RUN, SMOL_OPTIM: 200 steps of
+# 32 x 1,024 tokens, two passes over the healing text); the benchmark adds the chat students' steps
+# (about two passes over the conversations), the calibration samples and its scoring windows
+PRESETS = {"gpu": dict(chat_iters=60, calib_samples=256, ood_windows=128, eval_batch=8)}
 CUTS = {"deep": ["--prune-num-layers", "20"], "width": ["--prune-ffn-hidden-size", "768"]}
 CACHES = {"sampled64": ["--kd-cache-mode", "sampled", "--kd-samples", "64"],
           "top100": ["--kd-cache-mode", "topk", "--kd-topk", "100"]}
@@ -80,6 +79,8 @@ class Bench:
         self.port = 29600
         self.stages: dict[str, float] = {}
         self.flags: dict[Path, list[str]] = {}
+        self.run_flags, self.optim_flags = recipe("SMOL_RUN"), recipe("SMOL_OPTIM")
+        self.seq_length = int(flag(self.run_flags, "--seq-length"))
 
     # ---- commands ----------------------------------------------------------------------------
     def megatron_kd(self, *args: str) -> list[str]:
@@ -100,26 +101,16 @@ class Bench:
             return ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
                     "--no-gradient-accumulation-fusion"]
 
-    def data_flags(self, prefix: Path, seed: int, iters: int) -> list[str]:
-        p = self.p
-        return ["--data-path", str(prefix), "--split", "95,5,0", "--seq-length", str(p["seq_length"]),
-                "--micro-batch-size", str(p["micro_batch"]), "--global-batch-size", str(p["global_batch"]),
-                "--train-iters", str(iters), "--seed", str(seed), "--eval-iters", str(p["eval_iters"]),
-                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(self.teacher),
-                "--data-cache-path", str(self.work / "index-cache"), "--num-workers", "2", "--bf16",
-                "--attention-dropout", "0.0", "--hidden-dropout", "0.0", *self.impl()]
+    def data_flags(self, prefix: Path, seed: int, *extra: str) -> list[str]:
+        return ["--data-path", str(prefix), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                str(self.teacher), *self.run_flags, *self.impl(), "--seed", str(seed),
+                "--data-cache-path", str(self.work / "index-cache"), "--num-workers", "2", *extra]
 
     def text_data(self, seed: int) -> list[str]:
-        return self.data_flags(self.work / "data" / "python-docs", seed, self.p["train_iters"])
+        return self.data_flags(self.work / "data" / "python-docs", seed)
 
     def chat_data(self) -> list[str]:
-        return self.data_flags(self.work / "data" / "chat", self.seeds[0], self.p["chat_iters"])
-
-    def optim_flags(self) -> list[str]:
-        p = self.p
-        return ["--lr", str(p["lr"]), "--min-lr", str(p["min_lr"]), "--lr-decay-style", "cosine",
-                "--lr-warmup-iters", str(p["warmup_iters"]), "--clip-grad", "1.0", "--weight-decay", "0.0",
-                "--calculate-per-token-loss", "--log-interval", "10"]
+        return self.data_flags(self.work / "data" / "chat", self.seeds[0], "--train-iters", str(self.p["chat_iters"]))
 
     # ---- running -----------------------------------------------------------------------------
     def run_jobs(self, stage: str, jobs: list[Job]) -> None:
@@ -191,7 +182,7 @@ class Bench:
                                               "--output", str(data / "python-docs"), *tok)),
             Job("data-chat", self.megatron_kd("data", "chat", "--input", str(corpora / CHAT_TEXT), "--output",
                                               str(data / "chat"), "--renderer", "template",
-                                              "--seq-length", str(self.p["seq_length"]), *tok)),
+                                              "--seq-length", str(self.seq_length), *tok)),
         ])
         self.teacher_flags = self.model_flags(self.teacher)
 
@@ -238,8 +229,8 @@ class Bench:
         jobs = []
         for name, cut, variant, seed, data in self.student_runs():
             ckpt = self.work / "ckpt" / name
-            flags = [*self.student_flags(cut, data), *self.optim_flags(), "--save", str(ckpt),
-                     "--save-interval", str(self.iters(data)), "--tensorboard-dir", str(self.work / "tb" / name)]
+            flags = [*self.student_flags(cut, data), *self.optim_flags, "--save", str(ckpt),
+                     "--save-interval", flag(data, "--train-iters"), "--tensorboard-dir", str(self.work / "tb" / name)]
             if variant == "online":
                 teacher = shlex.join([*self.teacher_flags, "--kd-teacher-hf", str(self.teacher)])
                 argv = self.torchrun(str(ROOT / "benchmarks" / "online_kd.py"), "--online-teacher", teacher, *flags)
@@ -249,9 +240,6 @@ class Bench:
                 argv = self.torchrun("-m", "megatron_kd.cli", "train", *flags, *cache)
             jobs.append(Job(f"train-{name}", argv, clean=ckpt))
         self.run_jobs("train", jobs)
-
-    def iters(self, data: list[str]) -> int:
-        return int(data[data.index("--train-iters") + 1])
 
     def export(self) -> None:
         jobs = []
@@ -295,7 +283,7 @@ class Bench:
         held_out = megatron_windows(self.text_data(self.seeds[0]))
         scored_set("held-out", held_out, [*(f"pruned-{c}" for c in CUTS), *text_runs])
         for label, file in OOD.items():
-            windows = text_windows(Path(self.o.corpora) / file, tokenizer, seq_length=self.p["seq_length"],
+            windows = text_windows(Path(self.o.corpora) / file, tokenizer, seq_length=self.seq_length,
                                    count=self.p["ood_windows"], eod=eod)
             scored_set(label, windows, [*(f"pruned-{c}" for c in CUTS), *text_runs])
         scored_set("chat held-out", megatron_windows(self.chat_data()),
@@ -322,7 +310,8 @@ class Bench:
         self.export()
         if self.o.dry_run:
             return
-        results = {"preset": self.p, "seeds": self.seeds, "cuts": CUTS, **self.score(),
+        results = {"preset": self.p, "recipe": {"SMOL_RUN": self.run_flags, "SMOL_OPTIM": self.optim_flags},
+                   "seeds": self.seeds, "cuts": CUTS, **self.score(),
                    "pruned": {c: json.loads((self.pruned(c) / "prune.json").read_text()) for c in CUTS},
                    "cache_bytes_per_token": self.cache_sizes(), "stage_seconds": self.stages}
         (self.work / "results.json").write_text(json.dumps(results, indent=1))
@@ -337,6 +326,18 @@ class Bench:
             if found:
                 out[log.stem.removeprefix("cache-")] = float(found[-1])
         return out
+
+
+def recipe(*arrays: str) -> list[str]:
+    """The flags of examples/smollm2/smollm2.sh's bash arrays."""
+    script = (f'source "{ROOT}/examples/smollm2/smollm2.sh"; printf "%s\\n" '
+              + " ".join(f'"${{{a}[@]}}"' for a in arrays))
+    return subprocess.run(["bash", "-c", script], check=True, capture_output=True, text=True).stdout.split("\n")[:-1]
+
+
+def flag(flags: list[str], name: str) -> str:
+    """The value of the last ``name`` in ``flags`` (Megatron-LM's parser keeps the last)."""
+    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]
 
 
 def _mean(values):
