@@ -40,17 +40,22 @@ def _megatron_line(argv: list[str]) -> str:
     from megatron_kd.cli import main
     from megatron_kd.errors import UserError
 
-    global_vars.unset_global_variables()  # export-hf and online KD set Megatron's global arguments
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        if "megatron_kd.cli" in argv:
-            assert main(argv[argv.index("megatron_kd.cli") + 1:]) == 2
-        else:
-            script = next(i for i, a in enumerate(argv) if a.endswith("online_kd.py"))
-            try:
-                online_kd.main(argv[script + 1:])
-            except UserError as e:
-                return str(e)
+    # export-hf and online KD set Megatron's global arguments, which a later in-process command (here, or
+    # another test of this worker) would find set: none before, none left after
+    global_vars.unset_global_variables()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            if "megatron_kd.cli" in argv:
+                assert main(argv[argv.index("megatron_kd.cli") + 1:]) == 2
+            else:
+                script = next(i for i, a in enumerate(argv) if a.endswith("online_kd.py"))
+                try:
+                    online_kd.main(argv[script + 1:])
+                except UserError as e:
+                    return str(e)
+    finally:
+        global_vars.unset_global_variables()
     return err.getvalue().strip().splitlines()[-1]
 
 
