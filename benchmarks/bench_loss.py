@@ -467,8 +467,8 @@ def kernel_sweep(shape: str, chunk: int, configs: str):
     time is measured alone and subtracted."""
     import torch
 
-    from megatron_kd.ops import topk_kl_torch as chunk_math
-    from megatron_kd.ops import topk_kl_triton
+    from megatron_kd.ops.kl import chunk_torch as chunk_math
+    from megatron_kd.ops.kl import chunk_triton
 
     tokens, hidden, vocab = SHAPES[shape]
     dev = torch.device("cuda")
@@ -481,26 +481,26 @@ def kernel_sweep(shape: str, chunk: int, configs: str):
     t_copy = cuda_median_ms(lambda: block.copy_(logits), reps=10)
     for cfg in configs.split(","):
         block_v, warps = map(int, cfg.split("x"))
-        topk_kl_triton._launch_config = lambda v, bv=block_v, w=warps: (bv, w)
+        chunk_triton._launch_config = lambda v, bv=block_v, w=warps: (bv, w)
 
         def exp_pass():
             block.copy_(logits)
-            return topk_kl_triton.exp_row_stats_(block, teacher, None, None, 1.0, write=True)
+            return chunk_triton.exp_row_stats_(block, teacher, None, None, 1.0, write=True)
 
         t_exp = cuda_median_ms(exp_pass, reps=10) - t_copy
         local, z_s, refs = exp_pass()
         exps = block.clone()
-        terms = topk_kl_triton.row_terms(
+        terms = chunk_triton.row_terms(
             local.unsqueeze(0), 0, teacher, torch.ones(chunk, device=dev), None, torch.empty(chunk, device=dev), None,
             kd_weight=1.0, ce_weight=0.0, temperature=1.0, tail="none", need_grad=True)
 
         def fixup():
             block.copy_(exps)
-            topk_kl_triton.grad_fixup_(block, local, z_s, refs, terms, teacher, None, None, 1.0)
+            chunk_triton.grad_fixup_(block, local, z_s, refs, terms, teacher, None, None, 1.0)
 
         t_fix = {}
         for fixup_warps in (1, 2, 4, 8):
-            topk_kl_triton.FIXUP_NUM_WARPS = fixup_warps
+            chunk_triton.FIXUP_NUM_WARPS = fixup_warps
             t_fix[fixup_warps] = cuda_median_ms(fixup, reps=10) - t_copy
         print(f"kernels {shape} chunk {chunk} BLOCK_V {block_v:5d} warps {warps:2d}: exp_stats {t_exp:6.3f} ms "
               f"({2 * nbytes / t_exp / 1e6:5.0f} GB/s read + write), grad_fixup ms by warps: "

@@ -105,7 +105,7 @@ def main():
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_kd.ops.topk import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
+    from megatron_kd.ops.teacher import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
     from megatron_kd.teacher.sources import _hidden_and_weight
 
     parallel_state.initialize_model_parallel(1)
@@ -233,7 +233,7 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
 
     from megatron_kd.cache.encodings import SAMPLED_COUNTS_V1
     from megatron_kd.cache.write_behind import default_workers
-    from megatron_kd.ops.topk import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
+    from megatron_kd.ops.teacher import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
     from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
 
     s, lengths = args.seq_length, args.pass_samples

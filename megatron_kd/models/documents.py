@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from megatron_kd.ops.value_checks import HostCopy
+from megatron_kd.ops.kl.value_checks import HostCopy
 
 
 def document_starts(tokens: torch.Tensor, eod: int) -> torch.Tensor:

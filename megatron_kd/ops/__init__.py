@@ -1,7 +1,17 @@
-"""Loss ops: the fused chunked top-K KL and its materializing reference."""
+"""The two ops of megatron_kd, and what they share.
 
-from megatron_kd.ops.topk_kl import fused_topk_kl
-from megatron_kd.ops.topk_kl_options import DIVERGENCES, IMPLS, REDUCTIONS, TAILS, TopKKLOptions
-from megatron_kd.ops.topk_kl_reference import topk_kl_reference
+``kl/``       the fused top-K KL loss (``fused_topk_kl``) and its materializing reference
+              (``topk_kl_reference``): chunked, vocab-parallel, gradients formed in the forward pass.
+``teacher/``  the teacher's top-K (``vocab_parallel_topk``) and sampler (``vocab_parallel_sample``)
+              of softmax(hidden · Wᵀ / τ), which fill the cache the loss reads.
+
+Below both: ``common.py`` (the ``impl`` choice, token chunks and the projection GEMMs),
+``comm.py`` (collectives over an explicit tensor-parallel group) and ``triton_lse.py`` (the
+Triton kernels' log-sum-exp pieces). Neither op's package imports the other. The loss's public
+names are importable from here.
+"""
+
+from megatron_kd.ops.common import IMPLS
+from megatron_kd.ops.kl import DIVERGENCES, REDUCTIONS, TAILS, TopKKLOptions, fused_topk_kl, topk_kl_reference
 
 __all__ = ["DIVERGENCES", "IMPLS", "REDUCTIONS", "TAILS", "TopKKLOptions", "fused_topk_kl", "topk_kl_reference"]

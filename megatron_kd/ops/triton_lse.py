@@ -1,4 +1,5 @@
-"""Per-lane online log-sum-exp pieces of the Triton kernels (the teacher top-K pass).
+"""Per-lane online log-sum-exp pieces of the Triton kernels (the teacher top-K pass), and ``LOG2E``
+for every kernel of both ops.
 
 A program walks a row in tiles of BLOCK_V lanes; every lane keeps its own running max m and
 s = Σ exp2((x - m)·scale) (scale = log2(e)/τ), so no cross-lane reduction happens inside the loop.

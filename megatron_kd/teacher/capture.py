@@ -4,7 +4,7 @@ Every data-parallel rank runs over its own partition's samples (``CacheWriter.pe
 in the order its training sampler will consume them), micro-batch by micro-batch; tensor-parallel
 ranks of one model replica run in lockstep and TP rank 0 writes. A killed pass resumes where it
 stopped: the writer skips what is on disk, and sampled mode keys each token's draws by (seed,
-global sample index, position) alone (``ops.topk.sample_row_keys``), so re-running, from any
+global sample index, position) alone (``ops.teacher.sample.sample_row_keys``), so re-running, from any
 point and with any micro-batch or chunk size, yields the same bytes. Each micro-batch is stored
 behind the next one's forward (``WriteBehind``): the pass's time is the teacher's, not the disk's.
 
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from megatron_kd.cache.write_behind import WriteBehind, default_workers
 from megatron_kd.ops.comm import group_rank, group_size
-from megatron_kd.ops.topk import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
+from megatron_kd.ops.teacher import sample_row_keys, vocab_parallel_sample, vocab_parallel_topk
 
 
 @dataclass

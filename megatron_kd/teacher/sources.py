@@ -1,7 +1,7 @@
 """Teachers: a model that maps token ids to final hidden states plus its output projection.
 
 Both adapters return ``(hidden [s, b, h] over the full sequence, weight [V_local, h])`` so the
-top-K is taken chunk by chunk from hidden states (``ops.topk``), never from full logits.
+top-K is taken chunk by chunk from hidden states (``ops.teacher.topk``), never from full logits.
 """
 
 from __future__ import annotations

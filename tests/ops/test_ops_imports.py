@@ -1,9 +1,10 @@
 """The ops package's modules import one another one way (no import circle).
 
-Parses every module of megatron_kd/ops (imports inside functions included: a lazy import is still a
-dependency) and checks that the graph of ops -> ops imports is acyclic, and that no submodule takes
-names from the package's own __init__ (which imports the submodules). Then imports each module first
-in a fresh interpreter, the order in which a circle would show as an ImportError.
+Parses every module of megatron_kd/ops and its subpackages (imports inside functions included: a
+lazy import is still a dependency) and checks that the graph of ops -> ops imports is acyclic, that
+no submodule takes names from a package's __init__ (which imports the submodules), and that the
+teacher's package never imports the loss's (what they share sits below both). Then imports each
+module first in a fresh interpreter, the order in which a circle would show as an ImportError.
 """
 
 import ast
@@ -17,25 +18,34 @@ import megatron_kd.ops
 
 OPS_DIR = Path(megatron_kd.ops.__file__).parent
 PACKAGE = "megatron_kd.ops"
-MODULES = sorted(p.stem for p in OPS_DIR.glob("*.py") if p.stem != "__init__")
+# dotted names below the package ("common", "kl.loss", "teacher.topk"); the (sub)packages apart
+MODULES = sorted(".".join(p.relative_to(OPS_DIR).with_suffix("").parts)
+                 for p in OPS_DIR.rglob("*.py") if p.stem != "__init__")
+SUBPACKAGES = sorted(p.parent.name for p in OPS_DIR.glob("*/__init__.py"))
 
 
 def ops_imports(module: str) -> set[str]:
-    """The ops modules ``module`` imports ("__init__" for names taken from the package itself)."""
-    tree = ast.parse((OPS_DIR / f"{module}.py").read_text())
+    """The ops modules ``module`` imports ("__init__" for names taken from a package's __init__)."""
+    tree = ast.parse((OPS_DIR / f"{module.replace('.', '/')}.py").read_text())
     found = set()
+
+    def add(name: str) -> None:  # a dotted name below the package: a module, or a package's __init__
+        found.add(name if name in MODULES else "__init__")
+
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith(PACKAGE + "."):
-                    found.add(alias.name[len(PACKAGE) + 1:].split(".")[0])
+                    add(alias.name[len(PACKAGE) + 1:])
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == PACKAGE:
-                found.update(a.name if a.name in MODULES else "__init__" for a in node.names)
+            if node.module == PACKAGE or node.module[len(PACKAGE) + 1:] in SUBPACKAGES:
+                sub = node.module[len(PACKAGE) + 1:]
+                for a in node.names:
+                    add(f"{sub}.{a.name}" if sub else a.name)
             elif node.module.startswith(PACKAGE + "."):
-                found.add(node.module[len(PACKAGE) + 1:].split(".")[0])
+                add(node.module[len(PACKAGE) + 1:])
         elif isinstance(node, ast.ImportFrom) and node.level > 0:
-            found.add(node.module.split(".")[0] if node.module else "__init__")
+            found.add("__init__")  # the package's modules import absolutely
     return found
 
 
@@ -73,13 +83,19 @@ def test_ops_import_graph_is_acyclic():
     cycle = find_cycle(graph)
     assert cycle is None, "import circle in megatron_kd.ops: " + " -> ".join(cycle)
     # the layering the package promises
-    assert "topk_kl_function" in graph["topk_kl"]
-    assert "topk_kl" not in graph["topk_kl_function"]
-    assert {"topk_kl", "topk_kl_function"}.isdisjoint(graph["topk_kl_options"] | graph["value_checks"])
+    assert "kl.function" in graph["kl.loss"]
+    assert "kl.loss" not in graph["kl.function"]
+    assert {"kl.loss", "kl.function"}.isdisjoint(graph["kl.options"] | graph["kl.value_checks"])
+    # the two ops meet only in the modules below both
+    teacher_imports = set().union(*(deps for m, deps in graph.items() if m.startswith("teacher.")))
+    assert not {d for d in teacher_imports if d.startswith("kl.")}, teacher_imports
+    shared_imports = set().union(*(deps for m, deps in graph.items() if "." not in m))
+    assert all("." not in d for d in shared_imports), shared_imports
 
 
-@pytest.mark.parametrize("module", ["topk_kl_function", "topk_kl_options", "value_checks", "topk_kl_reference"])
+@pytest.mark.parametrize("module", ["kl.function", "kl.options", "kl.value_checks", "kl.reference", "teacher.sample"])
 def test_each_module_imports_first(module):
-    code = f"import {PACKAGE}.{module}; from megatron_kd.ops.topk_kl import TopKKLOptions, resolve_impl, HostCopy"
+    code = (f"import {PACKAGE}.{module}; from megatron_kd.ops.kl.options import TopKKLOptions; "
+            "from megatron_kd.ops.common import resolve_impl; from megatron_kd.ops.kl.value_checks import HostCopy")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

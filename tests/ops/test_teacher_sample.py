@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dist_utils import spawn
-from megatron_kd.ops.topk import SAMPLE_TILE, draw_uniforms, sample_row_keys, vocab_parallel_sample
+from megatron_kd.ops.teacher.sample import SAMPLE_TILE, draw_uniforms, sample_row_keys, vocab_parallel_sample
 from triton_device import DEVICE, TRITON_DEVICE_MARKS
 
 pytestmark = TRITON_DEVICE_MARKS  # compiled on a GPU (`pytest -m cuda`), else Triton's interpreter

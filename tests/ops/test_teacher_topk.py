@@ -7,7 +7,7 @@ tiny; on a GPU machine the same tests run it compiled on CUDA tensors.
 import pytest
 import torch
 
-from megatron_kd.ops.topk import vocab_parallel_topk
+from megatron_kd.ops.teacher.topk import vocab_parallel_topk
 from triton_device import DEVICE, TRITON_DEVICE_MARKS
 
 pytestmark = TRITON_DEVICE_MARKS  # compiled on a GPU (`pytest -m cuda`), else Triton's interpreter

@@ -19,7 +19,7 @@ import torch
 
 from kd_inputs import loss_and_grads, make_inputs, rel_err
 from megatron_kd.ops import TAILS, fused_topk_kl, topk_kl_reference
-from megatron_kd.ops.topk_kl_function import auto_chunk_size
+from megatron_kd.ops.common import auto_chunk_size
 
 CASES = list(itertools.product(TAILS, [1.0, 2.0], [0.0, 0.5], [False, True], ["sum", "mean"]))
 
@@ -308,7 +308,7 @@ def test_ghost_mass_rounding_near_one(seed, excess):
 def test_repeated_entries_are_the_later_listings_of_an_owned_column(seed):
     """The sort-based mask against its definition, pair by pair: True at an owned entry whose column
     an earlier owned entry of the row names (the first listing stays False; unowned never count)."""
-    from megatron_kd.ops.topk_kl_torch import repeated_entries
+    from megatron_kd.ops.kl.chunk_torch import repeated_entries
 
     local_idx = torch.randint(0, 6, (64, 9))
     owned = (torch.rand(64, 9) < 0.8).float()

@@ -11,7 +11,7 @@ import torch
 
 from kd_inputs import loss_and_grads, make_inputs, rel_err
 from megatron_kd.ops import TAILS, fused_topk_kl, topk_kl_reference
-from megatron_kd.ops.topk_kl import resolve_impl
+from megatron_kd.ops.common import resolve_impl
 
 pytestmark = pytest.mark.cuda
 IMPLS_CUDA = ["torch", "triton"]
@@ -37,7 +37,7 @@ def bf16_logits_yardstick(x, h, w, **kw):
     multiply a logit's rounding by a log-ratio that Student-t teachers (1 − M ~ 1e-8) make large, so
     a fixed 1e-2 fits some draws and not others (2.4e-2 on the hidden gradient, reverse / ghost,
     test seed 600546091, which the yardstick itself showed)."""
-    module = importlib.import_module("megatron_kd.ops.topk_kl_reference")
+    module = importlib.import_module("megatron_kd.ops.kl.reference")
     exact = module._full_vocab_logits
     saved, module._full_vocab_logits = exact, lambda *a: _RoundedToBf16.apply(exact(*a))
     try:

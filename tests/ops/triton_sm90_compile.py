@@ -8,7 +8,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_kd.ops.topk_kl_triton import (
+from megatron_kd.ops.kl.chunk_triton import (
     ENTRY_TILE,
     ROW_TERMS_BLOCK,
     ROW_TERMS_SUPPORT_BLOCK,
@@ -21,9 +21,9 @@ from megatron_kd.ops.topk_kl_triton import (
     row_terms_kernel,
     scale_rows_kernel,
 )
-from megatron_kd.ops import sample_triton as st
-from megatron_kd.ops.topk import SAMPLE_TILE
-from megatron_kd.ops.topk_triton import topk_candidates_kernel
+from megatron_kd.ops.teacher import sample_triton as st
+from megatron_kd.ops.teacher.sample import SAMPLE_TILE
+from megatron_kd.ops.teacher.topk_triton import topk_candidates_kernel
 from megatron_kd.models.moe_permutation import BLOCK_H, _gather_sum_kernel
 from megatron_kd.models.rope import _rope_kernel
 from megatron_kd.optim.adam_triton import BLOCKS, ITEM_BLOCKS, NUM_WARPS, bf16_adam_kernel

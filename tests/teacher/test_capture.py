@@ -22,7 +22,7 @@ from codec_bounds import assert_within_codec
 from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
 from megatron_kd.cache import CacheReader, CacheWriter
 from megatron_kd.megatron.data import ByteTokenizer
-from megatron_kd.ops.topk import draw_uniforms, sample_row_keys, splitmix64, vocab_parallel_sample
+from megatron_kd.ops.teacher.sample import draw_uniforms, sample_row_keys, splitmix64, vocab_parallel_sample
 from megatron_kd.teacher import CaptureConfig, HFTeacher, MegatronTeacher, capture_teacher
 from tiny_teacher import K, SEQ, make_dataset, tiny_model
 

@@ -18,50 +18,29 @@ Shapes:
 ``impl`` picks the implementation by name: "torch" (plain torch, every device), "triton" (CUDA:
 Triton kernels for the passes over each logits block) or "auto" (Triton for bf16/fp16/fp32 inputs
 on CUDA, torch otherwise).
+
+The keyword options and their defaults are the fields of ``TopKKLOptions`` (options.py), written
+there once: ``loss_entry_point`` turns the function below, which takes them as one ``opts``, into
+the public ``fused_topk_kl(hidden, weight, topk_ids, topk_logprobs, *, loss_mask=None, labels=None,
+kd_weight=1.0, ...)`` whose signature lists them all.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-import torch.distributed as dist
 
-from megatron_kd.ops.topk_kl_function import FusedTopKKLFunction
-from megatron_kd.ops.topk_kl_options import (  # noqa: F401 (public names, importable from here too)
-    DIVERGENCES,
-    IMPLS,
-    REDUCTIONS,
-    STAT_NAMES,
-    TAILS,
-    TopKKLOptions,
-    check_inputs,
-    resolve_impl,
-    unpack_stats,
-)
-from megatron_kd.ops.value_checks import HostCopy, PendingValueChecks  # noqa: F401
+from megatron_kd.ops.common import resolve_impl
+from megatron_kd.ops.kl.function import FusedTopKKLFunction
+from megatron_kd.ops.kl.options import LossResult, TopKKLOptions, check_inputs, loss_entry_point, unpack_stats
 
 
-def fused_topk_kl(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_logprobs: torch.Tensor,
-    *,
-    loss_mask: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    temperature: float = 1.0,
-    tail: str = "none",
-    divergence: str = "forward",
-    jsd_beta: float = 0.5,
-    tp_group: dist.ProcessGroup | None = None,
-    sequence_parallel: bool = False,
-    chunk_size: int | None = None,
-    reduction: str = "sum",
-    impl: str = "auto",
-    gradient_accumulation_fusion: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+@loss_entry_point
+def fused_topk_kl(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts: TopKKLOptions) -> LossResult:
     """Chunked, vocab-parallel top-K KL (+ optional CE) from hidden states and the output weight.
+
+    The keyword options are documented on the fields of ``TopKKLOptions``.
 
     ``divergence`` picks the KD term over the outcomes ``tail`` defines (docs/DESIGN.md §1):
     "forward" KL(P‖Q), "reverse" KL(Q‖P) or "jsd" β·KL(P‖Mx) + (1−β)·KL(Q‖Mx), Mx = βP + (1−β)Q with
@@ -76,12 +55,7 @@ def fused_topk_kl(
     during this call (Megatron's fp32 buffer; no V×h temporary) and ``weight.grad_added_to_main_grad``
     is set; the loss must then be backpropagated with gradient 1 (bf16 training, per-token loss).
     """
-    opts = TopKKLOptions(
-        kd_weight=kd_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
-        divergence=divergence, jsd_beta=jsd_beta, reduction=reduction, tp_group=tp_group, sequence_parallel=sequence_parallel,
-        chunk_size=chunk_size, gradient_accumulation_fusion=gradient_accumulation_fusion,
-        impl=resolve_impl(impl, hidden),
-    )
+    opts = dataclasses.replace(opts, impl=resolve_impl(opts.impl, hidden))
     value_checks = check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
     loss, stats = FusedTopKKLFunction.apply(
         hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts, value_checks

@@ -1,6 +1,6 @@
 """Per-chunk math of the fused top-K KL loss in plain torch (the CPU path, and the GPU reference path).
 
-One chunk of c tokens goes through three steps; the chunk loop (``topk_kl_function.py``) runs the
+One chunk of c tokens goes through three steps; the chunk loop (``function.py``) runs the
 GEMMs and the tensor-parallel all-gather between them:
 
 1. ``teacher_terms``      [T, K] cached entries -> tempered targets, masses, constants (once for
@@ -54,7 +54,7 @@ class ChunkTeacher:
     # [c] the ghost tail's teacher rest P_r = max(1 - M, 0), formed in float64 (None for other tails)
     rest_mass: torch.Tensor | None
     # [c, K] log P_v on owned entries, 0 elsewhere (renorm: log(p/M), ghost: log p); divergences other
-    # than "forward" only (support_divergence.py), None otherwise
+    # than "forward" only (divergences.py), None otherwise
     log_target: torch.Tensor | None = None
     # [c, K] 1.0 at an owned entry whose column an earlier owned entry of its row names (ghost tail
     # only: the rest sum counts each column once), else 0; None for other tails
@@ -108,7 +108,7 @@ def teacher_terms(
         const = p_log_p
         lse_coef = mass
         if tail == "ghost":
-            rest_mass = (1.0 - mass64).clamp_min_(0.0).to(dtype)  # cached masses may round a hair above 1
+            rest_mass = (1.0 - mass64).clamp_min_(0.0).to(dtype)  # cached masses may lie a hair above 1
             const = const + torch.xlogy(rest_mass, rest_mass)
 
     local = ids.long() - vocab_start
@@ -301,7 +301,7 @@ def grad_coefficients(
     """
     if tail == "ghost":
         # d/du of -(1-M) log(1-Q) is r·(q_v [v∈S] - q_v Q) with r = (1-M)/(1-Q); 1-M is clamped at 0
-        # exactly as in the loss (cached masses can round above 1). For M <= 1 the dense
+        # exactly as in the loss (cached masses can lie above 1). For M <= 1 the dense
         # coefficient is (M-Q)/(1-Q) and the S entries get q_v - p_v, as in docs/DESIGN.md §1.
         ghost_ratio = teacher.rest_mass / _ghost_one_minus_q(rs)
         dense_coef = teacher.mass - ghost_ratio * rs.student_mass

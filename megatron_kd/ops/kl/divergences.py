@@ -18,7 +18,7 @@ q_v = softmax(z/τ)_v at the K entries (and, for ghost, 1 - Q_S), so
 Two per-row sums over S carry everything that is not per entry: F = Σ_S f_v (the loss's S part) and
 H. Per entry they need q_v = exp((z_v - m)/τ - log Σ exp((z - m)/τ)), i.e. the global logsumexp,
 which the chunk loop has after the row-statistics combine; under tensor parallelism each rank sums
-its own entries and the [c, 2] partial sums are all-reduced (``topk_kl_function``).
+its own entries and the [c, 2] partial sums are all-reduced (``function.py``).
 
 Shapes: z_S, owned, log_target [c, K]; row quantities [c]; sums [c, NUM_SUPPORT_SUMS].
 """
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_kd.ops.topk_kl_options import GHOST_REST_FLOOR
-from megatron_kd.ops.topk_kl_torch import ChunkTeacher, GradCoefs, RowStats, with_ce_coefficients
+from megatron_kd.ops.kl.chunk_torch import ChunkTeacher, GradCoefs, RowStats, with_ce_coefficients
+from megatron_kd.ops.kl.options import GHOST_REST_FLOOR
 
 SUM_DIVERGENCE, SUM_GRADIENT = range(2)  # columns of the per-row sums: F and H
 NUM_SUPPORT_SUMS = 2
@@ -102,7 +102,7 @@ def support_losses(sums: torch.Tensor, teacher: ChunkTeacher, rs: RowStats, tail
 def support_grad_coefficients(terms: SupportTerms, dense: torch.Tensor, center: torch.Tensor, rs: RowStats,
                               kd_row_scale: torch.Tensor, ce_row_scale: torch.Tensor | None,
                               label_owned: torch.Tensor | None, temperature: float) -> GradCoefs:
-    """GradCoefs of ``topk_kl_torch`` for these divergences (kd_row_scale = kd_weight·τ·ρ)."""
+    """GradCoefs of ``chunk_torch`` for these divergences (kd_row_scale = kd_weight·τ·ρ)."""
     sparse = kd_row_scale.unsqueeze(1) * terms.big_q * (terms.g - center.unsqueeze(1))
     return with_ce_coefficients(kd_row_scale * dense * rs.scale_t, sparse, rs, ce_row_scale, label_owned,
                                 temperature)

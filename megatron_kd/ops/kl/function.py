@@ -12,13 +12,13 @@ and the labels' shard columns. Per chunk of c tokens (three GEMMs in all, the fl
     grad_h[c]  = G · W_local                   GEMM 2 (Triton: σ scales the product's rows)
     grad_W    += Gᵀ · h_c                      GEMM 3, fp32 accumulation (Triton: of Xᵀ·(σ·h_c))
 Per-token losses land in [T] buffers, summed once after the loop. divergence="reverse" / "jsd" add,
-after the combine, two per-row sums over the teacher entries (support_divergence.py; Triton:
+after the combine, two per-row sums over the teacher entries (divergences.py; Triton:
 row_terms_kernel), all-reduced across the TP group as [c, 2] when tp > 1.
 
 impl "torch": the block is fp32 (fp64 for fp64 inputs) and plain torch ops walk it; on CUDA with
 bf16/fp16 inputs G is cast to a low-precision copy for GEMMs 2-3.
 impl "triton" (CUDA): the block is in the input dtype, read and written once per chunk
-(topk_kl_triton.py), and handed to GEMMs 2-3 as it is. Only one block is alive at a time.
+(chunk_triton.py), and handed to GEMMs 2-3 as it is. Only one block is alive at a time.
 Gradients are complete when forward returns; backward multiplies them by the incoming gradient.
 Under TP, grad_h is a partial sum over vocabulary shards: all-reduced at the end, or
 reduce-scattered back to the sequence shard under sequence parallelism.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_kd.ops import topk_kl_torch as chunk_math
 from megatron_kd.ops.comm import (
     all_gather_stack,
     all_reduce_sum_,
@@ -36,13 +35,12 @@ from megatron_kd.ops.comm import (
     group_rank,
     reduce_scatter_first_dim,
 )
-from megatron_kd.ops.topk_kl_options import TopKKLOptions
-from megatron_kd.ops.value_checks import HostCopy, PendingValueChecks
+from megatron_kd.ops.common import accumulation_dtype, auto_chunk_size, chunk_logits, mixed_gemms
+from megatron_kd.ops.kl import chunk_torch as chunk_math
+from megatron_kd.ops.kl.options import TopKKLOptions
+from megatron_kd.ops.kl.value_checks import HostCopy, PendingValueChecks
 
 _MiB = 1 << 20
-# Budget for the fp32 logits block. On CUDA this keeps the op within ~0.5 GiB of its inputs and
-# gradients while a chunk stays large enough (>= a few hundred rows at V = 201K) for full-rate GEMMs.
-_CUDA_BLOCK_BYTES = 256 * _MiB
 # Triton path: the block (in the GEMM dtype, no copy) may be as large as one weight gradient in that
 # dtype plus _TRITON_BLOCK_ALLOWANCE, less what the call holds besides it. Why: the weight-gradient
 # GEMM read-modify-writes the fp32 accumulator (main_grad) once per chunk, so fewer, longer chunks
@@ -63,7 +61,6 @@ _TRITON_MIN_CHUNK_ROWS = 4096
 # Measured on an H200 at T = 32K, K = 100: 90 MB besides the block, 27 bytes per entry.
 _HELD_BYTES_PER_ENTRY = 28
 _HELD_BYTES_PER_TOKEN = 64
-_CPU_BLOCK_BYTES = 32 * _MiB
 
 
 def triton_row_bytes(vocab_local: int, hidden: int, k: int, *, itemsize: int) -> int:
@@ -79,66 +76,6 @@ def triton_block_budget(gradient: int, num_tokens: int, k: int, *, row_bytes: in
     per_entry = _HELD_BYTES_PER_ENTRY + (4 if divergence != "forward" else 0)
     held = num_tokens * (k * per_entry + _HELD_BYTES_PER_TOKEN)
     return max(_TRITON_MIN_CHUNK_ROWS * row_bytes, gradient + _TRITON_BLOCK_ALLOWANCE - held)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def auto_chunk_size(
-    num_tokens: int,
-    vocab_local: int,
-    *,
-    device: torch.device,
-    block_dtype: torch.dtype,
-    gemm_dtype: torch.dtype,
-    extra_block: bool,
-    budget_bytes: int | None = None,
-    row_extra_bytes: int = 0,
-) -> int:
-    """Tokens per chunk such that the chunk's [c, V_local] buffers fit the block budget.
-
-    Per row: the fp32 (fp64) logits/gradient block, its copy in the GEMM dtype when that differs,
-    one more block when temperature != 1 with labels (softmax at τ and at 1 both needed), and
-    ``row_extra_bytes``.
-    """
-    row_bytes = vocab_local * block_dtype.itemsize * (2 if extra_block else 1)
-    if gemm_dtype != block_dtype:
-        row_bytes += vocab_local * gemm_dtype.itemsize
-    row_bytes += row_extra_bytes
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = min(budget_bytes or _CUDA_BLOCK_BYTES, free // 8)
-    else:
-        budget = _CPU_BLOCK_BYTES
-    chunk = max(1, budget // max(row_bytes, 1))
-    if chunk >= 128:
-        chunk -= chunk % 64  # whole tensor-core tiles
-    chunk = min(chunk, num_tokens)
-    # As many chunks, of (nearly) equal length: a short last chunk runs its GEMMs at a fraction of
-    # the tensor cores' rate (H200, GPT-OSS shape: a 1,088-row remainder after 11 x 2,880 took
-    # 3.5 ms for its logits where 2,880 rows take 5.0). Whole tiles again where that keeps the last
-    # chunk at least half as long as the others.
-    n_chunks = -(-num_tokens // chunk)
-    even = -(-num_tokens // n_chunks)
-    tiled = min(chunk, -(-even // 64) * 64)
-    if chunk >= 128 and num_tokens - (n_chunks - 1) * tiled >= tiled // 2:
-        even = tiled
-    return int(max(1, even))
-
-
-def mixed_gemms(t: torch.Tensor) -> bool:
-    # cuBLAS multiplies bf16/fp16 operands into fp32 outputs; CPU kernels cannot (no out_dtype),
-    # so there everything runs in the accumulation dtype on upcast operands.
-    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
-
-
-def chunk_logits(h_chunk: torch.Tensor, w_gemm: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """[c, h] · [V_local, h]ᵀ -> [c, V_local] in the accumulation dtype: one mixed-precision GEMM
-    on CUDA, or a plain GEMM of operands already in ``acc`` (see ``mixed_gemms``)."""
-    if h_chunk.dtype != acc:
-        return torch.mm(h_chunk, w_gemm.t(), out_dtype=acc)
-    return h_chunk @ w_gemm.t()
 
 
 def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -177,7 +114,7 @@ def topk_kl_forward(
     acc = accumulation_dtype(hidden.dtype)
     use_triton = opts.impl == "triton"
     if use_triton:
-        from megatron_kd.ops import topk_kl_triton
+        from megatron_kd.ops.kl import chunk_triton
     mixed = mixed_gemms(hidden)
     has_labels = labels is not None
     fuse_main_grad = need_grad_weight and opts.gradient_accumulation_fusion
@@ -195,10 +132,10 @@ def topk_kl_forward(
     sparse_only = False  # Triton: a gradient without a dense part (the block is zeroed, not exponentiated)
     if opts.divergence != "forward":
         if use_triton:
-            support = topk_kl_triton.SupportSpec(opts.divergence, float(opts.jsd_beta), opts.tail)
+            support = chunk_triton.SupportSpec(opts.divergence, float(opts.jsd_beta), opts.tail)
             sparse_only = need_grad and support.sparse_only(has_labels and opts.ce_weight != 0)
         else:
-            from megatron_kd.ops import support_divergence as support_math
+            from megatron_kd.ops.kl import divergences as support_math
     # Triton: logits and their gradient share one block in the input dtype. Torch: an fp32 block,
     # plus a low-precision copy of G for mixed-precision GEMMs.
     block_dtype = hidden.dtype if use_triton else acc
@@ -274,21 +211,21 @@ def topk_kl_forward(
             label_idx, label_owned = label_idx_all[start:end], label_owned_all[start:end]
         row_scale = None  # G = row_scale[:, None]·g where the Triton path leaves a row scale
         if use_triton:
-            local, z_s, refs = topk_kl_triton.exp_row_stats_(block, teacher, label_idx, label_owned, tau,
+            local, z_s, refs = chunk_triton.exp_row_stats_(block, teacher, label_idx, label_owned, tau,
                                                             write=need_grad, zeros=sparse_only)
             all_stats = all_gather_stack(local, group)
             sums = None
             if support is not None and all_stats.shape[0] > 1:  # reverse / jsd under TP: sums over S of all ranks
-                sums = all_reduce_sum_(topk_kl_triton.support_sums(all_stats, rank, teacher, z_s, temperature=tau,
+                sums = all_reduce_sum_(chunk_triton.support_sums(all_stats, rank, teacher, z_s, temperature=tau,
                                                                    support=support), group)
-            terms = topk_kl_triton.row_terms(
+            terms = chunk_triton.row_terms(
                 all_stats, rank, teacher, rho, label_owned,
                 kd_rows[start:end], ce_rows[start:end] if has_labels else None,
                 kd_weight=opts.kd_weight, ce_weight=opts.ce_weight, temperature=tau, tail=opts.tail,
                 need_grad=need_grad, support=support, z_s=z_s, sums=sums,
             )
             if need_grad:
-                g, row_scale = topk_kl_triton.grad_fixup_(
+                g, row_scale = chunk_triton.grad_fixup_(
                     block, local, z_s, refs, terms, teacher, label_idx, label_owned, tau
                 )
         else:
@@ -321,7 +258,7 @@ def topk_kl_forward(
             rows = end - start
             if need_grad_hidden:
                 if row_scale is not None:  # fp32 product, scaled and cast into place
-                    topk_kl_triton.scale_rows(_mm_into(g, w_gemm, row_buf[:rows]), row_scale, grad_h2d[start:end])
+                    chunk_triton.scale_rows(_mm_into(g, w_gemm, row_buf[:rows]), row_scale, grad_h2d[start:end])
                 elif g.dtype == grad_h2d.dtype:
                     torch.mm(g, w_gemm, out=grad_h2d[start:end])
                 else:  # CPU with bf16/fp16 inputs: GEMM in fp32, cast on store
@@ -330,7 +267,7 @@ def topk_kl_forward(
                 h_w = h_c_gemm
                 if row_scale is not None:  # Gᵀ·h = Xᵀ·(σ·h)
                     hs = row_buf.view(h_c_gemm.dtype)[:rows, : h_c.shape[1]]  # grad_h's product is used up
-                    h_w = topk_kl_triton.scale_rows(h_c_gemm, row_scale, hs)
+                    h_w = chunk_triton.scale_rows(h_c_gemm, row_scale, hs)
                 if g.dtype != grad_w_acc.dtype:
                     _addmm_fp32_(grad_w_acc, g.t(), h_w)
                 else:

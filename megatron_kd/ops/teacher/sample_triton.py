@@ -1,6 +1,6 @@
 """The passes of ``vocab_parallel_sample`` over a logits block as Triton kernels (its CUDA path).
 
-The sampler (``topk.py``) draws by inverse CDF in three levels (shard, tile, column), so that no
+The sampler (``sample.py``) draws by inverse CDF in three levels (shard, tile, column), so that no
 pass takes the prefix sum of a whole [c, V_local] block (amax, exp and a cumulative sum over it move
 each fp32 block five times; these kernels read it once, then only the drawn tiles):
 
@@ -10,14 +10,14 @@ each fp32 block five times; these kernels read it once, then only the drawn tile
   max), their running sum and the row's mass (fp64): the ranks exchange (max, mass) to weigh their
   shards;
 * ``tile_sample_kernel`` does the rest of a row's draws in one program: each draw's uniform
-  (splitmix64 of the row key, as ``topk.draw_uniforms``), whether it falls in this rank's shard,
+  (splitmix64 of the row key, as ``sample.draw_uniforms``), whether it falls in this rank's shard,
   its tile (a binary search of the running masses) and the fraction of that tile's mass below it,
   then its column: it reads only the drawn tile and returns the first column whose prefix sum of
   exp(z - tile max) exceeds fraction × the tile's own total.
 
 The column step scales the fraction by the sum it computes itself, so the kernels' different
 summation orders never move a draw outside its tile, and it picks only columns of positive mass (a
-padding row, z = -inf, is never drawn, however the prefix sums round). Folding the uniforms, the
+padding row, z = -inf, is never drawn, whatever the prefix sums' rounding). Folding the uniforms, the
 shard and tile searches into these kernels replaces some fifty small torch launches per block with two.
 """
 
@@ -32,7 +32,7 @@ from megatron_kd.ops.triton_lse import LOG2E
 TILES_PER_PROGRAM = 16
 DRAW_BLOCK = 8  # draws at once: binary searches of [DRAW_BLOCK], then [DRAW_BLOCK, TILE] loads
 DRAW_WARPS = 4  # with DRAW_BLOCK 8: ~120 registers a thread, four programs an SM
-# bounds [c, 6] fp64 of each row's draws for this rank (``topk.vocab_parallel_sample``)
+# bounds [c, 6] fp64 of each row's draws for this rank (``sample.vocab_parallel_sample``)
 B_LO, B_HI, B_START, B_MASS, B_TOTAL, B_BELOW, NUM_BOUNDS = range(7)
 
 
@@ -98,7 +98,7 @@ def _count_at_most(ends_ptr, value, NUM_TILES: tl.constexpr, LOG_TILES: tl.const
 
 @triton.jit
 def _splitmix64(x):
-    """splitmix64's output function on uint64 words (``topk.splitmix64``)."""
+    """splitmix64's output function on uint64 words (``sample.splitmix64``)."""
     x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
     x = (x ^ (x >> 27)) * 0x94D049BB133111EB
     return x ^ (x >> 31)

@@ -3,7 +3,7 @@
 ``PendingValueChecks`` (made by ``check_inputs``) queues the value checks of the loss's inputs on
 the device and reads their verdict later, at one point the chunk loop chooses; ``HostCopy`` is the
 copy to the host that does not wait, also used for the deferred check of backward's incoming
-gradient under main_grad fusion (``topk_kl_function``). Nothing here imports another ops module.
+gradient under main_grad fusion (``function.py``). Nothing here imports another ops module.
 """
 
 from __future__ import annotations

@@ -1,28 +1,35 @@
-"""The loss's options and their validation: what ``fused_topk_kl`` and ``topk_kl_reference`` share.
+"""The loss's options, its public signature and the checks of its inputs: what ``fused_topk_kl``
+and ``topk_kl_reference`` share.
 
-``TopKKLOptions`` holds everything about the loss that is not a tensor; ``check_inputs`` validates
-it with the tensors' shapes, dtypes and devices (one ``ValueError`` naming the argument) and
-returns the checks that need tensor values, pending (``value_checks.PendingValueChecks``);
-``resolve_impl`` turns impl="auto" into an implementation; ``unpack_stats`` names the stats.
-Imports run one way through the ops package: topk_kl -> topk_kl_function -> this module.
+``TopKKLOptions`` holds everything about the loss that is not a tensor, with its defaults: the
+keyword options of both public functions are its fields, and written nowhere else.
+``loss_entry_point`` makes each public function from a function of (the six tensors, the options):
+``fn(hidden, weight, topk_ids, topk_logprobs, *, loss_mask=None, labels=None, <every option>)``,
+its signature (``inspect.signature``, ``help()``) listing every keyword with its default.
+``check_inputs`` validates the options with the tensors' shapes, dtypes and devices (one
+``ValueError`` naming the argument) and returns the checks that need tensor values, pending
+(``value_checks.PendingValueChecks``); ``unpack_stats`` names the stats.
+Imports run one way through the package: loss -> function -> this module.
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from megatron_kd.ops.comm import group_size
-from megatron_kd.ops.value_checks import PendingValueChecks
+from megatron_kd.ops.kl.value_checks import PendingValueChecks
 
 TAILS = ("none", "renorm", "ghost")
 DIVERGENCES = ("forward", "reverse", "jsd")
 REDUCTIONS = ("sum", "mean")
-IMPLS = ("auto", "torch", "triton")
 # Inside logarithms of the teacher, the ghost tail's rest mass 1 - M is floored at this, so that
 # KL(Q‖P) stays finite where the cached entries hold all of the teacher's mass (M = 1).
 GHOST_REST_FLOOR = 1e-8
@@ -30,7 +37,8 @@ GHOST_REST_FLOOR = 1e-8
 
 @dataclass(frozen=True)
 class TopKKLOptions:
-    """Everything about the loss that is not a tensor. Validated by ``check_inputs``."""
+    """Everything about the loss that is not a tensor: the keyword options of ``fused_topk_kl`` and
+    ``topk_kl_reference``, in their order, with their defaults. Validated by ``check_inputs``."""
 
     kd_weight: float = 1.0
     """Weight of the distillation term (multiplied by temperature²)."""
@@ -51,9 +59,6 @@ class TopKKLOptions:
     jsd_beta: float = 0.5
     """β of divergence="jsd": the teacher's weight in the mixture, in (0, 1)."""
 
-    reduction: Literal["sum", "mean"] = "sum"
-    """"sum" over masked tokens, or "mean" = sum / Σ loss_mask (0 when everything is masked)."""
-
     tp_group: dist.ProcessGroup | None = None
     """Tensor-parallel group over which the vocabulary (weight rows) is split."""
 
@@ -63,34 +68,43 @@ class TopKKLOptions:
     chunk_size: int | None = None
     """Tokens per chunk; None picks it from V_local and free memory."""
 
+    reduction: Literal["sum", "mean"] = "sum"
+    """"sum" over masked tokens, or "mean" = sum / Σ loss_mask (0 when everything is masked)."""
+
+    impl: Literal["auto", "torch", "triton"] = "auto"
+    """Implementation of the passes over each logits block: "torch", "triton", or "auto" (Triton for
+    bf16/fp16/fp32 CUDA inputs, torch otherwise); ``fused_topk_kl`` resolves it with
+    ``common.resolve_impl`` before the chunk loop sees it."""
+
     gradient_accumulation_fusion: bool = False
     """Add the weight gradient straight into ``weight.main_grad`` (Megatron's fp32 grad buffer)."""
 
-    impl: Literal["torch", "triton"] = "torch"
-    """Implementation of the passes over each logits block ("auto" is resolved by ``resolve_impl``)."""
+
+LossResult = tuple[torch.Tensor, dict[str, torch.Tensor]]
 
 
-def resolve_impl(impl: str, hidden: torch.Tensor) -> str:
-    """"auto" -> "triton" for bf16/fp16/fp32 CUDA tensors when Triton imports, else "torch"."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    triton_ok = hidden.dtype in (torch.bfloat16, torch.float16, torch.float32) and (
-        hidden.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    )
-    if impl == "triton" and not triton_ok:
-        raise ValueError(
-            f"impl='triton' needs bf16/fp16/fp32 CUDA tensors (or TRITON_INTERPRET=1 on CPU), got "
-            f"{hidden.dtype} on {hidden.device}; use impl='torch' or 'auto'"
-        )
-    if impl == "auto":
-        if not (triton_ok and hidden.is_cuda):
-            return "torch"
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "torch"
-        return "triton"
-    return impl
+def loss_entry_point(body: Callable[..., LossResult]) -> Callable[..., LossResult]:
+    """The public form of ``body(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)``:
+    the four tensors, then ``loss_mask`` and ``labels`` and the fields of ``TopKKLOptions`` as
+    keywords with their defaults, and ``body``'s name and docstring. An unknown keyword is a
+    ``TypeError`` naming it, as for any Python function."""
+    option_names = frozenset(f.name for f in fields(TopKKLOptions))
+
+    @functools.wraps(body, assigned=("__module__", "__name__", "__qualname__", "__doc__"))  # own annotations
+    def entry(hidden: torch.Tensor, weight: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, *,
+              loss_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None, **options) -> LossResult:
+        if unknown := options.keys() - option_names:
+            raise TypeError(f"{body.__name__}() got an unexpected keyword argument {min(unknown)!r}")
+        return body(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, TopKKLOptions(**options))
+
+    # The signature shown: entry's own parameters, then one keyword per option in place of **options.
+    hints = typing.get_type_hints(TopKKLOptions)
+    tensors = list(inspect.signature(entry, follow_wrapped=False, eval_str=True).parameters.values())[:-1]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    opts = [inspect.Parameter(f.name, keyword, default=f.default, annotation=hints[f.name])
+            for f in fields(TopKKLOptions)]
+    entry.__signature__ = inspect.Signature(tensors + opts, return_annotation=LossResult)
+    return entry
 
 
 def check_inputs(

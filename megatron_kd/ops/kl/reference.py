@@ -9,11 +9,19 @@ parallelism the logits are gathered with Megatron-Core's own autograd mappings.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-import torch.distributed as dist
 
 from megatron_kd.ops.comm import group_size
-from megatron_kd.ops.topk_kl_options import GHOST_REST_FLOOR, TopKKLOptions, check_inputs, unpack_stats
+from megatron_kd.ops.kl.options import (
+    GHOST_REST_FLOOR,
+    LossResult,
+    TopKKLOptions,
+    check_inputs,
+    loss_entry_point,
+    unpack_stats,
+)
 
 
 def _full_vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, opts: TopKKLOptions) -> torch.Tensor:
@@ -29,39 +37,16 @@ def _full_vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, opts: TopKKLO
     return mappings.gather_from_tensor_model_parallel_region(hidden @ weight.t(), group=group)
 
 
-def topk_kl_reference(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_logprobs: torch.Tensor,
-    *,
-    loss_mask: torch.Tensor | None = None,
-    labels: torch.Tensor | None = None,
-    kd_weight: float = 1.0,
-    ce_weight: float = 0.0,
-    temperature: float = 1.0,
-    tail: str = "none",
-    divergence: str = "forward",
-    jsd_beta: float = 0.5,
-    tp_group: dist.ProcessGroup | None = None,
-    sequence_parallel: bool = False,
-    chunk_size: int | None = None,
-    reduction: str = "sum",
-    impl: str = "auto",
-    gradient_accumulation_fusion: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+@loss_entry_point
+def topk_kl_reference(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts: TopKKLOptions) -> LossResult:
     """Same signature and results as ``fused_topk_kl``; ``chunk_size``, ``impl`` and
     ``gradient_accumulation_fusion`` are accepted for drop-in use and ignored (all at once)."""
-    opts = TopKKLOptions(
-        kd_weight=kd_weight, ce_weight=ce_weight, temperature=temperature, tail=tail,
-        divergence=divergence, jsd_beta=jsd_beta, reduction=reduction, tp_group=tp_group,
-        sequence_parallel=sequence_parallel, chunk_size=chunk_size,
-    )
+    opts = dataclasses.replace(opts, gradient_accumulation_fusion=False)
     checks = check_inputs(hidden, weight, topk_ids, topk_logprobs, loss_mask, labels, opts)
     checks.raise_if_bad()
     vocab = checks.vocab
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    tau = float(temperature)
+    tau = float(opts.temperature)
 
     logits = _full_vocab_logits(hidden, weight, opts).to(dtype).reshape(-1, vocab)
     ids = topk_ids.reshape(logits.shape[0], -1).long()
@@ -78,7 +63,7 @@ def topk_kl_reference(
     mass = torch.where(valid, lp.exp(), 0.0).sum(-1)
     if tau != 1.0:
         lp = lp / tau - torch.logsumexp(lp / tau, -1, keepdim=True) + mass.log().unsqueeze(-1)
-    rest_mass = (1.0 - mass).clamp_min(0.0).to(dtype)  # cached masses may round a hair above 1
+    rest_mass = (1.0 - mass).clamp_min(0.0).to(dtype)  # cached masses may lie a hair above 1
     p = torch.where(valid, lp.exp(), 0.0).to(dtype)
     log_p = torch.where(valid, lp, 0.0).to(dtype)
     mass = mass.to(dtype)
@@ -86,11 +71,12 @@ def topk_kl_reference(
     log_q = torch.log_softmax(logits / tau, dim=-1)
     log_q_s = torch.where(valid, log_q.gather(1, torch.where(valid, ids, 0)), 0.0)
 
-    if divergence != "forward":
-        kd = _support_divergence(p, log_p, log_q_s, valid, mass, rest_mass, tail, divergence, jsd_beta)
-    elif tail == "none":
+    if opts.divergence != "forward":
+        kd = _support_divergence(p, log_p, log_q_s, valid, mass, rest_mass, opts.tail, opts.divergence,
+                                 opts.jsd_beta)
+    elif opts.tail == "none":
         kd = (p * (log_p - log_q_s)).sum(-1)
-    elif tail == "renorm":
+    elif opts.tail == "renorm":
         p_hat = p / mass.clamp_min(torch.finfo(dtype).tiny).unsqueeze(-1)
         log_p_hat = torch.where(valid, log_p - mass.clamp_min(torch.finfo(dtype).tiny).log().unsqueeze(-1), 0.0)
         kd = (p_hat * (log_p_hat - log_q_s)).sum(-1)
@@ -99,14 +85,14 @@ def topk_kl_reference(
         tail_q = (1.0 - q_s).clamp_min(torch.finfo(dtype).tiny)
         kd = (p * (log_p - log_q_s)).sum(-1) + torch.xlogy(rest_mass, rest_mass) - rest_mass * tail_q.log()
 
-    total = kd_weight * tau * tau * (mask * kd).sum()
+    total = opts.kd_weight * tau * tau * (mask * kd).sum()
     stats = [(mask * kd).sum(), logits.new_zeros(()), (mask * mass).sum()]
     if labels is not None:
         ce = -torch.log_softmax(logits, dim=-1).gather(1, labels.reshape(-1, 1).long()).squeeze(1)
-        total = total + ce_weight * (mask * ce).sum()
+        total = total + opts.ce_weight * (mask * ce).sum()
         stats[1] = (mask * ce).sum()
     tokens = mask.sum()
-    if reduction == "mean":
+    if opts.reduction == "mean":
         inv = torch.where(tokens > 0, 1.0 / tokens.clamp_min(1e-30), 0.0)
         total = total * inv
         stats = [s * inv for s in stats]

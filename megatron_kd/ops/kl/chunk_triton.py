@@ -1,6 +1,6 @@
 """Per-chunk elementwise work of the fused top-K KL loss as Triton kernels (the CUDA path).
 
-The torch path (``topk_kl_torch.py``) makes ~7 passes over each [c, V_local] logits block in fp32.
+The torch path (``chunk_torch.py``) makes ~7 passes over each [c, V_local] logits block in fp32.
 Here the block stays in the GEMM dtype (bf16 on GPUs: half the bytes, so chunks twice as long in
 the same memory) and is read and written once, by one program per row:
 
@@ -24,7 +24,7 @@ the same memory) and is read and written once, by one program per row:
 ``scale_rows_kernel``  σ on the rows of the chunk's grad_h (after GEMM 2, in fp32) and of its h
                        (before GEMM 3): [c, h], small next to the block.
 
-divergence="reverse" / "jsd" (``SupportSpec``; the math of ``support_divergence.py``) take the same
+divergence="reverse" / "jsd" (``SupportSpec``; the math of ``divergences.py``) take the same
 passes: row_terms_kernel also walks each row's K entries (z_S, log P_v) for the per-row sums F and
 H and writes two more per-row values (the log-normalizer less this rank's reference, and the
 center H or g_rest); grad_fixup_kernel forms each entry's Q_v and g_v from them. Under TP the sums
@@ -35,7 +35,7 @@ fix-up writes the sparse entries with σ = 1 (SPARSE_ONLY). Forward compiles non
 A separate statistics pass, read before the gradient pass, would read every block twice. All
 arithmetic is fp32. The sparse entries are *rewritten* (not added to): rewriting lets duplicate ids
 in a row and a label that is also a teacher id produce identical stores (no read-modify-write race).
-The teacher terms (once per call) stay in ``topk_kl_torch``, shared by both paths; the combine,
+The teacher terms (once per call) stay in ``chunk_torch``, shared by both paths; the combine,
 losses and coefficients there (``combine_row_stats``, ``row_losses``, ``grad_coefficients``) are the
 plain-torch form of ``row_terms_kernel``. ``stats[:, ROW_MAX]`` holds r here (the torch path's row
 max): the combine only needs a common reference for each rank's sums.
@@ -50,9 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_kd.ops import topk_kl_torch as chunk_math
-from megatron_kd.ops.topk_kl_options import DIVERGENCES, GHOST_REST_FLOOR
-from megatron_kd.ops.topk_kl_torch import (
+from megatron_kd.ops.kl import chunk_torch as chunk_math
+from megatron_kd.ops.kl.chunk_torch import (
     NUM_ROW_STATS,
     ROW_LABEL_LOGIT,
     ROW_MAX,
@@ -64,6 +63,7 @@ from megatron_kd.ops.topk_kl_torch import (
     ROW_TARGET_DOT,
     ROW_TEACHER_SUMEXP,
 )
+from megatron_kd.ops.kl.options import DIVERGENCES, GHOST_REST_FLOOR
 from megatron_kd.ops.triton_lse import LOG2E
 
 
@@ -160,7 +160,7 @@ def exp_stats_kernel(
     t_sum = tl.sum(e_s, axis=0)
     out = stats_ptr + row * NUM_STATS
     if REST_SUM:  # sum_t is the rest; the row's sum adds the entries' columns once each
-        # (topk_kl_torch.repeated_entries: an owned entry whose column an earlier one names)
+        # (chunk_torch.repeated_entries: an owned entry whose column an earlier one names)
         repeat = is_owned & (tl.load(repeat_ptr + row * K + k, mask=kmask, other=0.0) != 0)
         tl.store(out + I_REST, sum_t - tl.sum(tl.where(repeat, e_s, 0.0), axis=0))
         sum_t += tl.sum(tl.where(repeat, 0.0, e_s), axis=0)
@@ -176,7 +176,7 @@ def exp_stats_kernel(
     tl.store(out + I_SUM_T, sum_t)
     tl.store(out + I_TDOT, t_dot)
     tl.store(out + I_TSUM, t_sum)
-    # S in its own frame (topk_kl_torch.ROW_SUPPORT_MAX): -inf and 0 where this rank owns no entry
+    # S in its own frame (chunk_torch.ROW_SUPPORT_MAX): -inf and 0 where this rank owns no entry
     support_base = tl.where(support_max > float("-inf"), support_max, 0.0)
     tl.store(out + I_SMAX, support_max)
     support_e = tl.exp2((tl.where(is_owned, z_s, support_base) - support_base) * scale_t)
@@ -207,7 +207,7 @@ SUMS_NONE, SUMS_INLINE, SUMS_PARTIAL, SUMS_LOADED = (tl.constexpr(i) for i in ra
 
 @triton.jit
 def _entry_terms(log_q, log_p, jsd_beta, log_beta, log1m_beta, DIVERGENCE: tl.constexpr):
-    """(f, g, Q) of support_divergence.py per entry, from log Q_v and log P_v (natural logs)."""
+    """(f, g, Q) of divergences.py per entry, from log Q_v and log P_v (natural logs)."""
     q = tl.exp(log_q)
     if DIVERGENCE == 1:  # reverse
         g = log_q - log_p
@@ -245,7 +245,7 @@ def _support_sums(zs_ptr, owned_ptr, log_target_ptr, r, rmask, K, ref_local, shi
 
 @triton.jit
 def _ghost_rest(rest_p, student_rest, jsd_beta, DIVERGENCE: tl.constexpr):
-    """(f_r, g_r) of the ghost tail's rest outcome (support_divergence.ghost_rest)."""
+    """(f_r, g_r) of the ghost tail's rest outcome (divergences.ghost_rest)."""
     log_rest_p = tl.log(tl.maximum(rest_p, REST_FLOOR))
     rest_q = tl.maximum(student_rest, FP32_TINY)
     log_rest_q = tl.log(rest_q)
@@ -292,8 +292,8 @@ def row_terms_kernel(
     DIVERGENCE: tl.constexpr, SUMS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KT: tl.constexpr,
     K_TILES: tl.constexpr,
 ):
-    """combine_row_stats + row_losses + grad_coefficients of topk_kl_torch (forward), or their
-    support_divergence.py counterparts (reverse, jsd), for BLOCK_R rows."""
+    """combine_row_stats + row_losses + grad_coefficients of chunk_torch (forward), or their
+    divergences.py counterparts (reverse, jsd), for BLOCK_R rows."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < rows
     row_max = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -547,7 +547,7 @@ def exp_row_stats_(
     write: bool,
     zeros: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The contract of ``topk_kl_torch.local_row_stats_`` (stats, z_S), and with ``write`` the block
+    """The contract of ``chunk_torch.local_row_stats_`` (stats, z_S), and with ``write`` the block
     overwritten by E and the reference each tile used ([c, tiles], for ``grad_fixup_``); without it
     the block is left intact and no references are returned. ``zeros`` (with ``write``): the block is
     overwritten by 0 instead, for a gradient without a dense part (``RowTerms.sparse_only``)."""
@@ -603,7 +603,7 @@ class SupportSpec:
 
 @dataclass
 class RowTerms:
-    """Per-row coefficients of dLoss/dz on this rank's block (the GradCoefs of topk_kl_torch with
+    """Per-row coefficients of dLoss/dz on this rank's block (the GradCoefs of chunk_torch with
     the [c, K] sparse term left as sparse_scale·B_v + ghost·exp((z_v - m_r)/τ), formed in the kernel;
     reverse / jsd: sparse_scale·Q_v·(center - g_v), log Q_v = (z_v - r)/τ - log_q_shift)."""
 
@@ -656,7 +656,7 @@ def support_sums(
     temperature: float,
     support: SupportSpec,
 ) -> torch.Tensor:
-    """[c, 2] this rank's partial F, H (support_divergence.py) over its own teacher entries, for an
+    """[c, 2] this rank's partial F, H (divergences.py) over its own teacher entries, for an
     all-reduce over the TP group before ``row_terms(..., sums=...)`` (TP > 1 only: at TP = 1
     ``row_terms`` sums them itself)."""
     rows = all_stats.shape[1]
