@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import math
 import os
@@ -180,22 +181,45 @@ def check_workdir(workdir: str) -> None:
             return
 
 
-# Peak resident memory of the demo, measured on this project's CPU machine (torch 2.11, 2026-12-01,
+# The memory check is a guard on this CPU process's resident memory, not a plan of a GPU run: its
+# models' parameters are counted by ``megatron-kd plan``'s model (``model_parameters``), the rest is
+# what this process itself holds, measured on this project's CPU machine (torch 2.11, 2026-12-01,
 # one training step of a demo GPTModel, ru_maxrss): 0.85 GiB of interpreter and libraries before
-# any model; then per token of a micro-batch ~130 bytes per layer per hidden unit (saved
-# activations) plus ~12 KiB (embeddings, logits over the 258-byte vocabulary, loss), linear in the
-# sequence length up to 32K tokens: torch's CPU SDPA kernel never holds the [b, heads, s, s]
-# scores. The estimate rounds these up (and adds weights, gradients, AdamW's two moments).
+# any model; then per token of a micro-batch ~130 bytes per layer per hidden unit (what torch's
+# fp32 eager autograd keeps; plan's bf16 GPU activations are 44, 88 in fp32) plus ~12 KiB
+# (embeddings, logits over the 258-byte vocabulary, loss), linear in the sequence length up to 32K
+# tokens: torch's CPU SDPA kernel never holds the [b, heads, s, s] scores. The estimate takes
+# 0.9 GiB, 160 B and 16 KiB and adds weights, gradients and AdamW's two moments.
 RUNTIME_BYTES = int(0.9 * 2**30)
 ACTIVATION_BYTES_PER_LAYER_UNIT = 160
 ACTIVATION_BYTES_PER_TOKEN = 16 << 10
+# train_loop's torch.optim.AdamW over fp32 parameters: the weight, its gradient, two moments (not
+# Megatron's mixed-precision optimizer, whose bytes plan counts)
+WEIGHT_BYTES_PER_PARAM = 4
+TRAINING_BYTES_PER_PARAM = 16
 VOCAB = 258
 
 
-def gpt_parameters(layers: int, hidden: int, seq_length: int) -> int:
-    """Parameters of the demo's GPTModel: per layer attention 4h² + 4h, MLP 8h² + 5h, two norms;
-    word and position embeddings, output layer (untied), final norm."""
-    return layers * (12 * hidden * hidden + 15 * hidden) + (2 * VOCAB + seq_length) * hidden + hidden
+def model_flags(layers: int, hidden: int, heads: int, seq_length: int) -> list[str]:
+    """One of the demo's GPTModels (``_model``) as the Megatron-LM flags ``megatron-kd plan`` reads:
+    fp32, the byte vocabulary unpadded, learned positions, an untied output layer, RMSNorm,
+    megatron-core's local spec."""
+    return ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+            "--seq-length", str(seq_length), "--max-position-embeddings", str(seq_length),
+            "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "1", "--normalization", "RMSNorm",
+            "--untie-embeddings-and-output-weights", "--position-embedding-type", "learned_absolute",
+            "--transformer-impl", "local"]
+
+
+@functools.lru_cache(maxsize=16)
+def model_parameters(layers: int, hidden: int, heads: int, seq_length: int) -> int:
+    """Parameters of one of the demo's models as ``megatron-kd plan`` counts them
+    (``plan.model_parameters``: Megatron-LM's estimator, which leaves out the linear biases and the
+    position table, 2% of the demo's teacher)."""
+    from megatron_kd.megatron import plan
+
+    args, _ = plan.plan_args(model_flags(layers, hidden, heads, seq_length), gpus=1)
+    return int(plan.model_parameters(args) + 0.5)  # the nearest integer (the estimator divides floats)
 
 
 def estimate_peak_bytes(cfg: "DemoConfig") -> int:
@@ -203,11 +227,11 @@ def estimate_peak_bytes(cfg: "DemoConfig") -> int:
     evaluation run without gradients); the teacher stays in memory while the students train."""
     tokens = cfg.micro_batch_size * cfg.seq_length
     models = [(cfg.teacher_layers, cfg.teacher_hidden), (cfg.student_layers, cfg.student_hidden)]
-    teacher_weights = 4 * gpt_parameters(cfg.teacher_layers, cfg.teacher_hidden, cfg.seq_length)
-    training = max(16 * gpt_parameters(layers, hidden, cfg.seq_length)
+    params = [model_parameters(layers, hidden, cfg.heads, cfg.seq_length) for layers, hidden in models]
+    training = max(TRAINING_BYTES_PER_PARAM * n
                    + tokens * (ACTIVATION_BYTES_PER_LAYER_UNIT * layers * hidden + ACTIVATION_BYTES_PER_TOKEN)
-                   for layers, hidden in models)
-    return RUNTIME_BYTES + teacher_weights + training
+                   for n, (layers, hidden) in zip(params, models))
+    return RUNTIME_BYTES + WEIGHT_BYTES_PER_PARAM * params[0] + training
 
 
 def available_memory_bytes() -> int:

@@ -3,7 +3,8 @@
 1. settings: every number of DemoConfig finite and in its range (generic over its fields), the
    divergence and its beta; a workdir that is a file, a corpus too small for the samples asked, a
    size beyond the machine's memory: FlagError before anything is written (and exit status 2)
-2. the memory estimate bounds the peak a small demo really reaches, within a factor 1.6
+2. the memory estimate bounds the peak a small demo really reaches, within a factor 1.6; it counts
+   the models' parameters with megatron-kd plan's model
 3. the cache: never deleted while another demo's writer holds it (other settings included); a
    rerun after the teacher pass reports the cache's real content and the throughput of the run
    that built it; a damaged cache (a file corrupted, a shard deleted) is rebuilt, said in one line;
@@ -108,6 +109,21 @@ def test_a_size_beyond_the_machine_memory_is_refused_at_once(tmp_path):
     check_memory(small, available=need)
     with pytest.raises(FlagError, match=rf"needs about {need / 2**30:.1f} GiB of memory, this machine has 0\.5 GiB"):
         check_memory(small, available=2**29)
+
+
+def test_the_memory_check_counts_parameters_with_the_plan():
+    """The models' parameters are megatron-kd plan's count of the demo's models given as Megatron-LM
+    flags, not a formula of the demo's: 853,632 for the 4 x 128 teacher, whose real GPTModel has
+    20,992 more (Megatron-LM's estimator leaves out 9 biases per layer and hidden unit and the
+    128 x 128 learned position table)."""
+    from megatron_kd.demo import _init_single_process, _model, model_flags, model_parameters
+    from megatron_kd.megatron.plan import estimate, plan_args
+
+    args, layout = plan_args(model_flags(4, 128, 4, 128), gpus=1)
+    assert model_parameters(4, 128, 4, 128) == sum(estimate(args, layout, gpus=1).params.values()) == 853_632
+    _init_single_process()
+    real = sum(p.numel() for p in _model(DemoConfig(), 4, 128, 258, seed=0).parameters())
+    assert real == 853_632 + 4 * 9 * 128 + 128 * 128
 
 
 def test_bad_setting_through_the_cli_is_one_line_and_exit_2(tmp_path):

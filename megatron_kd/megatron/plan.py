@@ -70,7 +70,7 @@ import re
 from dataclasses import dataclass, field
 
 from megatron_kd.megatron.args import cache_entries
-from megatron_kd.ops.topk_kl_function import triton_block_budget, triton_row_bytes
+from megatron_kd.ops.kl.function import triton_block_budget, triton_row_bytes
 from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory
 
 GIB = 2**30
@@ -293,14 +293,31 @@ def check_model_sizes(args) -> None:
         raise FlagError(f"--optimizer-offload-fraction must be in [0, 1], got {offload}")
 
 
-def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: int = 100) -> Plan:
-    """Memory per GPU of the run ``args`` (Megatron-LM flags) under ``layout`` on ``gpus`` GPUs."""
+def _on_layout(args, layout: Layout, gpus: int):
+    """A copy of ``args`` with the parallel sizes of ``layout`` on ``gpus`` GPUs."""
     a = copy.copy(args)
     a.tensor_model_parallel_size, a.pipeline_model_parallel_size = layout.tp, layout.pp
     a.expert_model_parallel_size, a.context_parallel_size = layout.ep, layout.cp
     a.expert_tensor_parallel_size = a.expert_tensor_parallel_size or layout.tp
     a.micro_batch_size, a.world_size = layout.micro_batch, gpus
     a.data_parallel_size = gpus // (layout.tp * layout.pp * layout.cp)
+    return a
+
+
+def model_parameters(args) -> float:
+    """Parameters of the whole model of ``args`` (``plan_args``' namespace): the count that
+    ``estimate`` multiplies by its bytes per parameter, ``shard_parameters`` on one process (no
+    parallelism), non-expert plus expert. Megatron-LM's estimator counts weight matrices, norms and
+    word embeddings, not linear biases nor a learned position table (``--position-embedding-type
+    learned_absolute``). The CPU demo sizes its models with it."""
+    whole = _on_layout(args, Layout(), 1)
+    whole.expert_tensor_parallel_size = 1
+    return sum(shard_parameters(whole))
+
+
+def estimate(args, layout: Layout, *, gpus: int, loss: str = "fused", kd_topk: int = 100) -> Plan:
+    """Memory per GPU of the run ``args`` (Megatron-LM flags) under ``layout`` on ``gpus`` GPUs."""
+    a = _on_layout(args, layout, gpus)
     dense, experts = shard_parameters(a)
     expert_dp = gpus // (a.expert_tensor_parallel_size * layout.ep * layout.pp)
     plan = Plan(layout, params={"non-expert": dense, "expert": experts})

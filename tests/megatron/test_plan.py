@@ -11,6 +11,8 @@ what it says of the GPT-OSS recipes on one 8-GPU node.
    gradients, 2.03 bytes of state per parameter, the non-expert part sharded over DP 8) and no host
    memory; with Megatron's default state it does not fit, and --search finds no one-node layout
 5. the CLI prints the table; bad flags are one line
+6. the parameter count of the whole model (``model_parameters``, which the CPU demo asks too): the
+   released GPT-OSS sizes from each recipe, whatever its layout
 """
 
 import json
@@ -25,7 +27,7 @@ from bench_offload import MODEL_FLAGS, OFFLOAD_FLAGS  # noqa: E402
 from tiny_gpt_oss import recipe_flags  # noqa: E402
 
 from megatron_kd.cli import main  # noqa: E402
-from megatron_kd.megatron.plan import GIB, Layout, estimate, plan_args  # noqa: E402
+from megatron_kd.megatron.plan import GIB, Layout, estimate, model_parameters, plan_args  # noqa: E402
 from megatron_kd.megatron.train import megatron_parser  # noqa: E402
 from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory  # noqa: E402
 
@@ -143,3 +145,13 @@ def test_120b_recipes_are_the_layout_plan_search_ranks_first(size, global_batch,
             if p.total <= NODE]
     best = min(fits, key=lambda p: (step_cost(args, p.layout, 8), p.total))
     assert best.layout == layout, (best.layout.describe(), layout.describe())
+
+
+@pytest.mark.parametrize("size, released", [("20b", 20.91e9), ("120b", 116.83e9)])
+def test_model_parameters_are_the_released_gpt_oss_sizes(size, released):
+    """The whole model of a recipe laid out over 8 GPUs (EP 8): GPT-OSS as released (OpenAI's model
+    card: 20.91 B and 116.83 B parameters). Megatron-LM's estimator leaves out the linear biases:
+    the count is a little under."""
+    args, layout = plan_args([*recipe_flags(size), "--global-batch-size", "64", "--bf16", "--vocab-size", "201088"], 8)
+    assert layout.ep == 8
+    assert model_parameters(args) == pytest.approx(released, rel=1e-3) and model_parameters(args) < released
