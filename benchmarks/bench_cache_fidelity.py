@@ -21,7 +21,7 @@ i.i.d. synthetic rows, neighbouring tokens here are a real LM's: their top-K set
 ``--draws`` and top100-renorm: one teacher, one student recipe and step count, a sampled cache of
 its own per N (written with the default codec, sampled-counts-v1). Reports held-out CE and
 KL(T||S) against online KD and against bytes/token on disk, and which configurations meet the
-issue's target (<= 40 bytes/token and held-out CE within 1% of online KD).
+target (<= 40 bytes/token and held-out CE within 1% of online KD).
 
 ``quality``: a lossy codec against a lossless one on the student it trains. One teacher pass over
 every student sample (top-``--topk``), kept in memory; the same rows written once per codec of

@@ -78,7 +78,7 @@ training hands them). Students see less than one epoch, so a student's cross-ent
 taken before it learns from it, is an estimate on text it has not seen: those are the student
 curves in curves.png (the teacher's panel adds its held-out curve).
 
-Writes OUT/results.json (every number, curves, stage times), OUT/results.md (tables and the issue's
+Writes OUT/results.json (every number, curves, stage times), OUT/results.md (tables and its
 goals), OUT/curves.png and OUT/tensorboard; datasets and caches live in OUT/work during the run.
 After every stage OUT/results.partial.json holds what is done; ``--resume`` continues a stopped run
 (same settings) from there, keeping the tokenizer, the teacher's weights, complete caches and
@@ -930,7 +930,7 @@ def _complete_cache(path: Path) -> bool:
 
 
 def goals(results: dict) -> dict:
-    """The issue's two goals, where the variants they need were run."""
+    """The benchmark's two goals, where the variants they need were run."""
     v, out = results["variants"], {}
     if "online" in v:
         top100 = {n: r for n, r in v.items() if r["kind"] == "topk" and r["k"] == 100}
@@ -1234,7 +1234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=sorted(PRESETS), default="gpu", help="preset (default: gpu)")
     parser.add_argument("--out", default="runs/fidelity", help="output directory (default: runs/fidelity)")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help="comma-separated variants (default: all of the issue's): ce, online, "
+                        help="comma-separated variants (default: all the goals need): ce, online, "
                              "top{K}-{none|renorm|ghost|best}[-ce{W}], sampled[N]")
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
                         help="autocast dtype of training and teacher passes (auto: bf16 on CUDA, fp32 on CPU)")

@@ -11,15 +11,15 @@ tokens/s and model TFLOP/s per GPU and peak memory per loss path and memory layo
 
 The one-GPU Llama table: a Llama-3.2-3B student (examples/llama/3b.sh) distilled from
 Llama-3.1-8B-Instruct's vocabulary (128,256 ids, a top-100 cache) on one H200. At 8K, 8 samples per
-step (micro-batch 1, 65,536 tokens; the product's origin states no batch), 3b.sh's layout (no
-recompute) with Megatron's optimizer, and the fused path once more with bf16-sr-8bit:
+step (micro-batch 1, 65,536 tokens; the paper this product implements states no batch), 3b.sh's
+layout (no recompute) with Megatron's optimizer, and the fused path once more with bf16-sr-8bit:
 
     python benchmarks/bench_node.py --size llama3-3b --losses fused,ce,dense,online --iters 6 \\
         --also "--losses fused --optimizer bf16-sr-8bit" --out runs/llama3b-8k
 
 (2026-12-03, one H200, 741b820, ``--losses fused,online --iters 5``: fused 3.17 s per step, 20,703
 tokens/s, 487 model TFLOP/s, 76.4 GiB peak, plan 77.7; online 5.60 s, 11,708 tokens/s, 275, 115.7 GiB.
-The origin's 58.3 / 102.8 GB lie about as far apart: 41.4 GiB against these 39.3.)
+The paper's 58.3 / 102.8 GB lie about as far apart: 41.4 GiB against these 39.3.)
 
 At 32K, 64K and 128K tokens per sample, 65,536 tokens per step (2 samples at 32K, one sample at 64K
 and at 128K), bf16-sr-8bit, the recompute ``megatron-kd plan --search`` ranks first for each run
@@ -83,7 +83,7 @@ finished is skipped when re-run.
 
 Reported from Megatron's own log: median time per iteration after the first two, peak allocated
 memory (``--log-memory-interval``, data-parallel rank 0), out-of-memory if it happens; tokens/s per
-GPU = global batch x --seq / GPUs / step time; beside the plan's GiB, the peaks the product's origin
+GPU = global batch x --seq / GPUs / step time; beside the plan's GiB, the peaks the paper
 reported where the size has them (llama3-3b at 8K: 58.3 GB fused, 102.8 GB online). Model TFLOP/s
 per GPU in two conventions = FLOPs per step / GPUs / step time:
   bench     the matmuls of forward and backward (``bench_gptoss.model_flops``): attention scores
@@ -166,7 +166,7 @@ class ModelSize:
     samples_per_gpu: int = 2  # default global batch: micro-batches of one sample per GPU, or
     tokens_per_gpu: int | None = None  # this many tokens per GPU per step (at least one sample)
     online_teacher: Recipe | None = None  # --losses online: the teacher's architecture and size
-    origin_gb: dict = field(default_factory=dict)  # {loss: GB} the origin reported at origin_seq
+    origin_gb: dict = field(default_factory=dict)  # {loss: GB} the paper reported at origin_seq
     origin_seq: int | None = None
 
     @functools.cached_property
@@ -184,7 +184,7 @@ SIZES = {
     "120b_e64": ModelSize(Recipe("gpt_oss", "gpt_oss.sh", "120b_e64.sh", "GPT_OSS"), vocab=201088, gpus=8,
                           seq=32768, recompute="full"),
     # Llama-3.2-3B from Llama-3.1-8B-Instruct on one GPU (both 128,256 ids): 8 samples of 8K per step,
-    # no recompute (3b.sh); the origin's peaks at 8K: 58.3 GB fused, 102.8 GB online
+    # no recompute (3b.sh); the paper's peaks at 8K: 58.3 GB fused, 102.8 GB online
     "llama3-3b": ModelSize(Recipe(size="3b.sh", **LLAMA3), vocab=128256, gpus=1, seq=8192, recompute="none",
                            tokens_per_gpu=65536, online_teacher=Recipe(size="8b.sh", **LLAMA3),
                            origin_gb={"fused": 58.3, "online": 102.8}, origin_seq=8192),

@@ -23,7 +23,7 @@ trained first with cross-entropy (fp32, the fidelity preset's learning rate) and
 the same steps on the same batches. At lr 1e-5 an update is ~1e-5 per weight, below half a bf16
 step for most weights: rounding to nearest drops it, stochastic rounding keeps it in expectation.
 
-Goal (issue 27): held-out cross-entropy of bf16-sr-8bit within 0.5% of megatron's at both learning
+Goal: held-out cross-entropy of bf16-sr-8bit within 0.5% of megatron's at both learning
 rates. Writes OUT/results.json (settings, every arm's curve, held-out CE and KL before and after,
 bytes of optimizer state per parameter, the goal), OUT/results.md and OUT/curves.png.
 """

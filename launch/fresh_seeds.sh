@@ -4,7 +4,7 @@
 # one fixed seed (CI_SEED) so that it passes or fails by the code alone; this is where precision
 # defects that only some inputs show are found, and tests whose own setup holds only for some draws
 # (a store test once assumed two shards differ in size, which one array choice in two broke). Run it
-# before landing; a failure prints the line that replays it, and is fixed at its cause.
+# before merging; a failure prints the line that replays it, and is fixed at its cause.
 #
 #   bash launch/fresh_seeds.sh [RUNS] [pytest arguments, e.g. -n 2, -k bf16 or some paths]
 #

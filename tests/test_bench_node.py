@@ -94,7 +94,7 @@ def test_both_flop_conventions(tmp_path):
     opts = parse(["--rank-of", "8", "--out", str(tmp_path)])
     args, _ = plan_args(train_flags(opts, "/data/random"), 1)
     ours, megatron = model_flops_per_step(args, opts), megatron_flops_per_step(args, opts)
-    # the run: 8.03 s per step was 256 TFLOP/s in the benchmark's convention; Megatron counts full
+    # the baseline run: 8.03 s per step was 256 TFLOP/s in the benchmark's convention; Megatron counts full
     # causal attention on the window layers too (more) and the gated experts as two matrices (fewer)
     assert ours / 8.03 / 1e12 == pytest.approx(256, abs=1)
     assert megatron / 8.03 / 1e12 == pytest.approx(295, abs=1)

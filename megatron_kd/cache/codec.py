@@ -10,7 +10,7 @@ Within each token the valid entries are sorted by id and padding goes last:
 
 Sorted ids turn into small gaps that a byte-shuffling compressor packs tightly; the values follow
 in the same order. The fixed-point step is 1/257 nat, so the stored log-prob is within 1/514 nat of
-the original and every probability comes back with relative error <= e^(1/514) - 1 < 2^-9 (what
+the given one and every probability comes back with relative error <= e^(1/514) - 1 < 2^-9 (what
 bf16 storage gives at best), down to log-prob -255 (exactly -(MAX_CODE + 1/2)/257 ~ -254.998,
 p ~ 1e-111); anything smaller is stored as the floor -MAX_CODE/257, still a valid entry. Decoding
 to float32 adds one float32 rounding (under 2^-16 nat at that depth). The order of the K entries

@@ -97,7 +97,7 @@ def _open_or_create_root(path: Path, meta: CacheMeta) -> tuple[zarr.Group, Cache
     stored = read_root_meta(path)
     for name, have, want in stored.mismatches(meta):
         raise CacheError(f"{path}: existing cache has {name}={have!r}, this writer has {name}={want!r}; "
-                         f"use another path or the original parameters")
+                         f"use another path or the parameters it was built with")
     return open_root(path, mode="r+"), stored
 
 

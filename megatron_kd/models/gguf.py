@@ -6,7 +6,7 @@ GGUF file's config, tokenizer (chat template included) and weights, dequantized,
 a model it loaded so; ``hf_from_gguf`` moves the weights into the plain model class and saves
 that: float32 safetensors, the tokenizer, the generation config, and ``gguf_source.json`` (the
 file's name, size, sha256 and tensor types). The weights are the file's: a Q4_1 file gives its
-4-bit values dequantized to float32, not the original release it was quantized from.
+4-bit values dequantized to float32, not the release it was quantized from.
 
 transformers' GGUF reader leaves out two things that change what the model computes; we add them:
 
@@ -18,7 +18,7 @@ transformers' GGUF reader leaves out two things that change what the model compu
   default instead).
 
 GGUF stores ``rms_norm_eps`` and the RoPE base as float32; the config gets the shortest decimal
-that is the same float32 (1e-05, not 9.999999747378752e-06), as the original config.json has it
+that is the same float32 (1e-05, not 9.999999747378752e-06), as the model's own config.json has it
 and as ``hf-flags`` passes it on (``--norm-epsilon``).
 
 The file is checked before transformers reads it: a whole GGUF file, an architecture megatron_kd
@@ -262,7 +262,7 @@ def hf_from_gguf(gguf_path: str | Path, out_dir: str | Path) -> dict:
               **({"general.name": header["name"]} if header["name"] is not None else {}),
               "tensor_types": header["tensor_types"],
               "note": "The weights are this GGUF file's values dequantized to float32 (a quantized file gives the "
-                      "quantized model, e.g. 4-bit Q4_1, not the original release it was made from)."}
+                      "quantized model, e.g. 4-bit Q4_1, not the release it was made from)."}
     out.parent.mkdir(parents=True, exist_ok=True)
     # written beside --out and renamed into place: a failed conversion leaves no half directory behind
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"

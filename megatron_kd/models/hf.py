@@ -7,7 +7,7 @@ We add only what they lack for our students:
 
 - experts in the dense layout ``transformers.save_pretrained`` writes (``gate_up_proj`` [E, in, 2I]
   with gate/linear interleaved on the last dim, ``down_proj`` [E, I, out], ``*_bias``) beside the
-  MXFP4 layout of the original release, which ModelOpt's own rule reads: ``*_blocks`` uint8
+  MXFP4 layout of the published release, which ModelOpt's own rule reads: ``*_blocks`` uint8
   [E, out, in/32, 16] and ``*_scales`` uint8 [E, out, in/32] (one E8M0 scale per 32 inputs), already
   Megatron's [out, in] once dequantized, gate/linear rows interleaved as in the dense layout;
 - vocabulary rows Megatron pads for tensor parallelism (``--make-vocab-size-divisible-by`` × TP):

@@ -294,7 +294,7 @@ def test_cli_inspect_and_verify(tmp_path, seed, capsys):
 
 
 # ------------------------------------------------------------------------------------------------------
-# Integrity (issue 12): every file the store writes is checked, a missing shard is an error, one writer
+# Integrity: every file the store writes is checked, a missing shard is an error, one writer
 # per partition, rows_done only after the shard data, and the promises the layout and codec make.
 
 _META = {"tokenizer_fingerprint": "tok-fp", "dataset_fingerprint": "data-fp"}

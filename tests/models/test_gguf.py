@@ -3,7 +3,7 @@
 Tiny random Llama / Qwen3 models are written as GGUF files here the way llama.cpp's
 convert_hf_to_gguf.py writes them (q / k rows permuted to its RoPE layout for Llama, Llama 3's
 RoPE scaling as a ``rope_freqs`` tensor, a byte-level BPE tokenizer with a chat template in the
-metadata). Converted back, the directory computes exactly what the original model computes (float32
+metadata). Converted back, the directory computes exactly what the source model computes (float32
 tensors) or what transformers computes from the GGUF file itself (quantized tensors), and keeps
 the tokenizer and its chat template. Mistakes in the file or the command are one line, exit 2.
 
@@ -202,8 +202,8 @@ def test_quantized_llama_matches_transformers_gguf_load(tmp_path, seed, capsys):
     direct = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32)
     expected = logits(direct, ids)
     torch.testing.assert_close(logits(converted, ids), expected, rtol=0, atol=0)
-    # each tensor is the original's up to Q4_1 / Q8_0 rounding (a q / k row order other than the
-    # original's would be off by the whole tensor, about 1.4 of its norm)
+    # each tensor is the source model's up to Q4_1 / Q8_0 rounding (a q / k row order other than
+    # the source's would be off by the whole tensor, about 1.4 of its norm)
     for name, p in model.state_dict().items():
         error = (converted.state_dict()[name] - p).norm() / p.norm()
         assert error < (0.15 if p.ndim == 2 else 1e-7), (name, error)
@@ -211,7 +211,7 @@ def test_quantized_llama_matches_transformers_gguf_load(tmp_path, seed, capsys):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_float32_file_gives_the_original_model(kind, tmp_path, seed):
-    """F32 tensors: the directory is the original model, bit for bit. Llama with Llama 3's RoPE
+    """F32 tensors: the directory is the source model, bit for bit. Llama with Llama 3's RoPE
     scaling (llama.cpp's rope_freqs tensor, which transformers' GGUF reader ignores); Qwen3 with a
     head size (24) other than hidden / heads and other than its class default (128)."""
     from transformers import AutoModelForCausalLM
