@@ -185,12 +185,13 @@ def check_workdir(workdir: str) -> None:
 # models' parameters are counted by ``megatron-kd plan``'s model (``model_parameters``), the rest is
 # what this process itself holds, measured on this project's CPU machine (torch 2.11, 2026-12-01,
 # one training step of a demo GPTModel, ru_maxrss): 0.85 GiB of interpreter and libraries before
-# any model; then per token of a micro-batch ~130 bytes per layer per hidden unit (what torch's
+# any model, and 0.36 GiB more once plan's model is asked (it builds Megatron-LM's argument parser:
+# ru_maxrss 0.65 GiB after importing this module, 1.02 after ``model_parameters``; 2026-12-07); then per token of a micro-batch ~130 bytes per layer per hidden unit (what torch's
 # fp32 eager autograd keeps; plan's bf16 GPU activations are 44, 88 in fp32) plus ~12 KiB
 # (embeddings, logits over the 258-byte vocabulary, loss), linear in the sequence length up to 32K
 # tokens: torch's CPU SDPA kernel never holds the [b, heads, s, s] scores. The estimate takes
-# 0.9 GiB, 160 B and 16 KiB and adds weights, gradients and AdamW's two moments.
-RUNTIME_BYTES = int(0.9 * 2**30)
+# 1.3 GiB, 160 B and 16 KiB and adds weights, gradients and AdamW's two moments.
+RUNTIME_BYTES = int(1.3 * 2**30)
 ACTIVATION_BYTES_PER_LAYER_UNIT = 160
 ACTIVATION_BYTES_PER_TOKEN = 16 << 10
 # train_loop's torch.optim.AdamW over fp32 parameters: the weight, its gradient, two moments (not
