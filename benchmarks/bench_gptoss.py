@@ -234,7 +234,7 @@ def run(opts, device):
 
     from megatron_kd.megatron.args import KDConfig
     from megatron_kd.megatron.loss import KDForwardStep
-    from megatron_kd.megatron.train import parse_megatron_args
+    from megatron_kd.megatron.flags import parse_megatron_args
     from megatron_kd.models.gpt import gpt_model_from_args
 
     args = parse_megatron_args(model_flags(opts))

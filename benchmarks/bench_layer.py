@@ -253,7 +253,8 @@ def run(opts, device):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_kd.megatron.train import model_provider, parse_megatron_args
+    from megatron_kd.megatron.flags import parse_megatron_args
+    from megatron_kd.megatron.run import model_provider
     from megatron_kd.models.experts import recomputes_moe_act
 
     cuda = device.type == "cuda"

@@ -194,7 +194,7 @@ def gpt_oss_rank_teacher(args, vocab: int):
     from bench_gptoss import LOCAL_SPEC_FLAGS
     from tiny_gpt_oss import recipe_flags
 
-    from megatron_kd.megatron.train import parse_megatron_args
+    from megatron_kd.megatron.flags import parse_megatron_args
     from megatron_kd.models.gpt import gpt_model_from_args
 
     flags = [*recipe_flags("120b", layout=False), "--num-layers", str(args.layers), "--num-experts", str(RANK_EXPERTS),

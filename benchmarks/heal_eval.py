@@ -45,7 +45,8 @@ def megatron_windows(flags: list[str], *, split: str = "valid", count: int | Non
 
     from megatron_kd.data.chat import build_tokenizer
     from megatron_kd.megatron.loss_mask import with_loss_masks
-    from megatron_kd.megatron.train import gpt_dataset_config, parse_flags
+    from megatron_kd.megatron.flags import parse_flags
+    from megatron_kd.megatron.run import gpt_dataset_config
 
     args = parse_flags(flags)
     if args.tokenizer_model is None:

@@ -5,8 +5,9 @@ product: megatron_kd distills from a teacher cache; this is what that replaces.
     torchrun --nproc-per-node 1 benchmarks/online_kd.py --online-teacher "<the teacher's model flags>" \\
         <megatron-kd train flags, no --kd-cache>
 
-It runs ``megatron-kd train``'s own entry (``megatron_kd.megatron.train.main``: the same parsing,
-student, data, optimizer and Megatron schedule) with its forward step replaced. Per micro-batch:
+It runs what ``megatron-kd train`` runs (``megatron_kd.megatron.flags.parse_megatron_args``, then
+``megatron_kd.megatron.run.pretrain``: the same parsing, student, data, optimizer and Megatron
+schedule) with its forward step replaced. Per micro-batch:
 
 1. the teacher's logits: a frozen megatron-core GPTModel in the student's ``params_dtype`` (bf16
    with ``--bf16``; eval mode, no grad) on the same tokens and positions; its weights are a Hugging
@@ -51,7 +52,7 @@ def teacher_args(student_args, teacher_flags: list[str]):
     """The student's (validated) arguments with every flag of ``teacher_flags`` that differs from
     Megatron-LM's default, and no recompute: the derived sizes (padded vocabulary, dtypes) stay
     the student's, as the cache's teacher shares the student's vocabulary."""
-    from megatron_kd.megatron.train import parse_flags
+    from megatron_kd.megatron.flags import parse_flags
 
     given, default = parse_flags(teacher_flags, prog="online_kd"), parse_flags([], prog="online_kd")
     args = copy.copy(student_args)
@@ -109,7 +110,7 @@ class OnlineKDForwardStep:
 
 
 def megatron_step(teacher_flags: list[str]):
-    """The forward step ``megatron_kd.megatron.train.main`` runs: it builds the teacher and the
+    """The forward step ``megatron_kd.megatron.run.pretrain`` runs: it builds the teacher and the
     step from Megatron's arguments at the first micro-batch (after Megatron's initialization)."""
     step = None
 
@@ -143,11 +144,14 @@ def main(argv: list[str] | None = None) -> None:
 
     teacher_flags, student_flags = split_argv(sys.argv[1:] if argv is None else argv)
     console.setup(False)
-    from megatron_kd.megatron.train import main as train, parse_flags
+    from megatron_kd.megatron.flags import parse_flags, parse_megatron_args, require_cuda
+    from megatron_kd.megatron.run import pretrain
 
     parse_flags(teacher_flags, prog="online_kd")  # a mistake in the teacher's flags stops here, not at the first step
 
-    train(student_flags, step=megatron_step(teacher_flags))
+    args = parse_megatron_args(student_flags)
+    require_cuda("train")  # before Megatron's initialization asserts it
+    pretrain(args, step=megatron_step(teacher_flags))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""``python -m megatron_kd.train``: the same entry point as ``megatron-kd train`` (see megatron/train.py)."""
+"""``python -m megatron_kd.train``: the same entry point as ``megatron-kd train`` (``commands/train.py``)."""
 
-from megatron_kd.megatron.train import main
+import sys
+
+from megatron_kd.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["train", *sys.argv[1:]]))

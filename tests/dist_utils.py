@@ -84,7 +84,7 @@ def spawn(fn, *args, world_size: int = 2, backend: str = "gloo") -> None:
 
 # what the forkserver imports before it forks its first child (each child inherits them)
 _FORKSERVER_PRELOAD = ["torch", "numpy", "transformers", "megatron.core", "megatron.training",
-                       "megatron_kd.megatron.train", "dist_utils"]
+                       "megatron_kd.megatron.flags", "megatron_kd.megatron.run", "dist_utils"]
 if not torch.cuda.is_available():
     import multiprocessing
 

@@ -144,7 +144,7 @@ def test_megatron_accepts_the_layouts(tmp_path, monkeypatch):
     from megatron.training.arguments import validate_args
 
     from dist_utils import megatron_cpu_patches
-    from megatron_kd.megatron.train import megatron_parser
+    from megatron_kd.megatron.flags import megatron_parser
     from megatron_kd.models.experts import recomputes_moe_act
     from tiny_gpt_oss import CPU_FLAGS, TINY_ARCH
 
@@ -253,7 +253,7 @@ def test_all_to_all_estimate_of_a_rank(tmp_path):
 def test_llama_size_defaults_and_flags(tmp_path):
     from bench_node import TOPK, cache_build_args, online_command
 
-    from megatron_kd.megatron.train import parse_flags
+    from megatron_kd.megatron.flags import parse_flags
 
     opts = parse(["--size", "llama3-3b", "--losses", "fused,ce,dense,online", "--out", str(tmp_path)])
     assert (opts.gpus, opts.seq, opts.global_batch_size, opts.recompute) == (1, 8192, 8, "none")

@@ -9,6 +9,8 @@
 4. on a machine without CUDA, valid flags end in one line saying so (flag mistakes first)
 5. argparse mistakes of the CLI's own parsers are one line, not a usage block
 6. an unset --eval-interval sizes one evaluation at the end of training
+7. a run validates Megatron-LM's arguments once: train starts from what its check validated and
+   prints the validation's output then, once
 """
 
 import argparse
@@ -29,7 +31,7 @@ from megatron_kd.cli import main  # noqa: E402
 from megatron_kd.errors import FlagError  # noqa: E402
 from megatron_kd.megatron.args import NUMERIC_FLAG_RULES, KDConfig, _check_rules_cover, add_kd_args  # noqa: E402
 from megatron_kd.megatron.hf_check import HFDirError  # noqa: E402
-from megatron_kd.megatron.train import check_megatron_flags  # noqa: E402
+from megatron_kd.megatron.flags import check_megatron_flags  # noqa: E402
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
@@ -244,7 +246,7 @@ def test_argparse_mistakes_are_one_line(argv, message, capsys):
 def _eval_interval_worker(rank, world_size):
     from megatron.training.training import get_train_valid_test_num_samples
 
-    from megatron_kd.megatron.train import parse_megatron_args
+    from megatron_kd.megatron.flags import parse_megatron_args
 
     with megatron_cpu_patches():
         args = parse_megatron_args([*MODEL[:-4], "--train-iters", "30", "--global-batch-size", "4", "--eval-iters", "2"])
@@ -257,3 +259,31 @@ def test_an_unset_eval_interval_sizes_one_evaluation_at_the_end():
     documents an unset one as "no evaluation during training"; every command that builds the
     datasets (cache build, prune, train) would stop there with a TypeError."""
     spawn(_eval_interval_worker, world_size=1)
+
+
+def test_train_validates_megatron_arguments_once(monkeypatch, capsys):
+    """train's check validates Megatron-LM's arguments quietly; the run starts from that namespace and
+    shows what the validation printed, once (CUDA and megatron.training's pretrain stubbed)."""
+    from megatron.training import arguments, global_vars
+
+    from megatron_kd.megatron import run
+
+    validated, started = [], []
+    validate = arguments.validate_args
+
+    def counted(args, defaults={}):
+        validated.append(args)
+        return validate(args, defaults)
+
+    monkeypatch.setattr(arguments, "validate_args", counted)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "pretrain", lambda args, step=None: started.append(args))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the run sets it to its command line, as Megatron-LM reads it
+    global_vars.unset_global_variables()
+    try:
+        assert main(["train", *MODEL]) == 0
+        assert global_vars.get_args() is started[0]
+    finally:
+        global_vars.unset_global_variables()
+    assert len(validated) == 1 and started == validated
+    assert capsys.readouterr().out.count("-------- arguments --------") == 1

@@ -8,12 +8,17 @@ a dependency; it only hides a circle until the day it runs). The layers, lowest 
     cache                             the Zarr store and its codecs
     models                            GPT-OSS spec, attention, experts, documents, HF import
     console                           status lines (names the layer implementation)
-    megatron                          args, data, loss wiring, training entry, plan
-    data                              chat data rendering (``data chat``)
+    megatron                          args, flags, data, loss wiring, a run's hooks, plan
+    data                              chat and text data rendering
     teacher                           the cache-building pass
-    demo, cli, train                  entry points
+    prune                             students cut from the teacher
+    demo                              the CPU demo
+    commands                          one module per verb of ``megatron-kd``
+    cli, train                        entry points
 
-A module may import its own layer and those below it, never one above.
+A module may import its own layer and those below it, never one above; packages import each
+other without circles (a circle between two packages of one layer is as tangled as one that
+climbs).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "megatron_kd"
 LAYERS = [("errors", "version", "distributed"), ("ops", "optim"), ("cache",), ("models",), ("console",),
-          ("megatron",), ("data",), ("teacher",), ("prune",), ("demo", "cli", "train")]
+          ("megatron",), ("data",), ("teacher",), ("prune",), ("demo",), ("commands",), ("cli", "train")]
+# the command line: what no library imports
+ENTRY_UNITS = ("commands", "cli", "train")
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 
@@ -73,8 +80,16 @@ def test_imports_point_down_the_layers():
     assert not upward, "imports that reach up a layer:\n  " + "\n  ".join(sorted(upward))
 
 
-def test_no_import_circle():
-    graph, circles = _graph(), []
+def test_libraries_never_import_the_commands():
+    """``commands/`` imports the libraries, never the reverse: no module outside the entry units
+    imports a command, ``cli`` or the ``train`` entry."""
+    upward = [f"{a} -> {b}" for a, targets in _graph().items() for b in targets
+              if _unit(a) not in ENTRY_UNITS and _unit(b) in ENTRY_UNITS]
+    assert not upward, "libraries that import the command line:\n  " + "\n  ".join(sorted(upward))
+
+
+def _circles(graph: dict[str, set[str]]) -> list[str]:
+    circles = []
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -92,7 +107,22 @@ def test_no_import_circle():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+    return circles
+
+
+def test_no_import_circle():
+    circles = _circles(_graph())
     assert not circles, "import circles:\n  " + "\n  ".join(circles)
+
+
+def test_no_import_circle_between_packages():
+    """The graph of units (a package, or a top-level module): an arrow where any module of one
+    imports any module of the other."""
+    units: dict[str, set[str]] = {}
+    for a, targets in _graph().items():
+        units.setdefault(_unit(a), set()).update(_unit(b) for b in targets)
+    circles = _circles({unit: targets - {unit, "__init__"} for unit, targets in units.items() if unit != "__init__"})
+    assert not circles, "import circles between packages:\n  " + "\n  ".join(circles)
 
 
 def test_the_graph_sees_lazy_imports(tmp_path):

@@ -29,7 +29,8 @@ def _worker(rank, world_size, seed):
     from tiny_gpt_oss import CPU_FLAGS, LOCAL_IMPL
 
     from megatron_kd.megatron.args import KDConfig
-    from megatron_kd.megatron.train import model_provider, parse_megatron_args
+    from megatron_kd.megatron.flags import parse_megatron_args
+    from megatron_kd.megatron.run import model_provider
 
     size = SIZES["llama3-3b"]
     with megatron_cpu_patches():
@@ -84,7 +85,7 @@ def _hf_teacher_worker(rank, world_size, seed, hf_dir):
     from tiny_llama import SEQ, tiny_flags
     from transformers import AutoConfig
 
-    from megatron_kd.megatron.train import parse_megatron_args
+    from megatron_kd.megatron.flags import parse_megatron_args
     from megatron_kd.models.llama import megatron_flags
 
     with megatron_cpu_patches():

@@ -28,7 +28,6 @@ refuse``, a conversation whose mask selects no token.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -36,11 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_kd.data.conversation import CHANNELS, HEADER_CHOICES, ROLES, ChatDataError, MaskSettings, parse_messages
+from megatron_kd.data.conversation import ChatDataError, MaskSettings, parse_messages
 from megatron_kd.data.harmony import SPECIAL_TOKENS, Piece, harmony_pieces
 from megatron_kd.megatron.loss_mask import SIDECAR_FORMAT, digest, mask_prefix, sidecar_path
 from megatron_kd.data.template import template_pieces
-from megatron_kd.errors import FlagError, FlagParser, UserError
+from megatron_kd.errors import FlagError, UserError
 
 RENDERERS = ("auto", "harmony", "template")
 
@@ -243,43 +242,6 @@ def build_chat_dataset(input_path, output_prefix, tokenizer, settings: MaskSetti
     return sidecar
 
 
-def _comma_list(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
-
-
-def chat_parser() -> argparse.ArgumentParser:
-    from megatron.training.arguments import _add_tokenizer_args
-
-    parser = FlagParser(prog="megatron-kd data chat",
-                        description="OpenAI-style conversations (JSONL) -> a Megatron indexed dataset in GPT-OSS's "
-                                    "harmony format (or the tokenizer's chat template) with a per-token loss mask "
-                                    "beside it. Megatron-LM's --tokenizer-* flags name the tokenizer.")
-    group = parser.add_argument_group("chat data")
-    group.add_argument("--input", required=True, metavar="JSONL", help="Conversations, one JSON object per line.")
-    group.add_argument("--output", required=True, metavar="PREFIX",
-                       help="Writes PREFIX.bin/.idx (tokens), PREFIX_loss_mask.bin/.idx (one byte per token) and "
-                            "PREFIX_chat.json (mask settings and fingerprint).")
-    group.add_argument("--seq-length", type=int, default=None, metavar="N",
-                       help="Longest conversation in tokens (the run's --seq-length); default: any length.")
-    group.add_argument("--overlong", choices=("truncate", "refuse"), default="refuse",
-                       help="A conversation longer than --seq-length: refuse it (default, one line naming it) or "
-                            "keep its first N tokens.")
-    group.add_argument("--loss-roles", type=_comma_list, default=("assistant",), metavar="ROLES",
-                       help=f"Roles whose messages carry loss, comma-separated, of {', '.join(ROLES)} "
-                            f"(default: assistant).")
-    group.add_argument("--loss-channels", type=_comma_list, default=CHANNELS, metavar="CHANNELS",
-                       help=f"Harmony channels of the assistant's messages that carry loss, of {', '.join(CHANNELS)} "
-                            f"(default: all three; commentary holds tool calls).")
-    group.add_argument("--loss-header", choices=HEADER_CHOICES, default="generated",
-                       help="generated (default): also the header tokens the model writes itself (channel, "
-                            "recipient, <|message|>); none: content and end token only. End tokens "
-                            "(<|end|>, <|return|>, <|call|>) always carry loss.")
-    group.add_argument("--renderer", choices=RENDERERS, default="auto",
-                       help="harmony (GPT-OSS), template (the tokenizer's chat template), or auto (default): "
-                            "harmony when the tokenizer has its special tokens.")
-    return _add_tokenizer_args(parser)
-
-
 def build_tokenizer(args, command: str = "data chat"):
     """The Megatron tokenizer that ``--tokenizer-*`` flags name, as ``train`` builds it."""
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build_tokenizer
@@ -292,14 +254,3 @@ def build_tokenizer(args, command: str = "data chat"):
     except (OSError, ValueError) as e:
         raise FlagError(f"--tokenizer-type {args.tokenizer_type} --tokenizer-model {args.tokenizer_model}: cannot "
                         f"load the tokenizer ({' '.join(str(e).split())[:300]})") from None
-
-
-def main(argv: list[str]) -> int:
-    args = chat_parser().parse_args(argv)
-    settings = MaskSettings(loss_roles=args.loss_roles, loss_channels=args.loss_channels,
-                            loss_header=args.loss_header, seq_length=args.seq_length, overlong=args.overlong)
-    summary = build_chat_dataset(args.input, args.output, build_tokenizer(args), settings, renderer=args.renderer)
-    print(f"{args.output}: {summary['documents']} conversations, {summary['tokens']:,} tokens, "
-          f"{summary['loss_tokens']:,} carry loss ({summary['loss_tokens'] / summary['tokens']:.1%}; "
-          f"{summary['mask']}); {summary['truncated']} truncated; mask fingerprint {summary['fingerprint']}")
-    return 0

@@ -22,15 +22,14 @@ with no document at all. The files begun are removed then. One document is in me
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from megatron_kd.data.chat import _hf, build_tokenizer, token_dtype
-from megatron_kd.errors import FlagError, FlagParser, UserError
+from megatron_kd.data.chat import _hf, token_dtype
+from megatron_kd.errors import FlagError, UserError
 
 SIDECAR_FORMAT = "megatron-kd text v1"
 
@@ -153,36 +152,3 @@ def build_text_dataset(inputs, output_prefix, tokenizer, *, json_key: str = "tex
     }
     sidecar_path(prefix).write_text(json.dumps(sidecar, indent=2) + "\n")
     return {**sidecar, "seconds": time.perf_counter() - start}
-
-
-def text_parser() -> argparse.ArgumentParser:
-    from megatron.training.arguments import _add_tokenizer_args
-
-    parser = FlagParser(prog="megatron-kd data text",
-                        description="Plain text documents (JSONL, one per line) -> a Megatron indexed dataset, as "
-                                    "Megatron-LM's tools/preprocess_data.py. Megatron-LM's --tokenizer-* flags name "
-                                    "the tokenizer.")
-    group = parser.add_argument_group("text data")
-    group.add_argument("--input", required=True, action="append", metavar="JSONL",
-                       help="Documents, one JSON object per line; repeat the flag for more files (read in order).")
-    group.add_argument("--output", required=True, metavar="PREFIX",
-                       help="Writes PREFIX.bin/.idx (tokens, one document per line) and PREFIX_text.json (counts, "
-                            "tokenizer fingerprint).")
-    group.add_argument("--json-key", default="text", metavar="KEY",
-                       help="The key of each line that holds the document's text (default: text).")
-    group.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
-                       help="End each document with the tokenizer's EOD token (default: yes), so "
-                            "--reset-attention-mask finds the documents' boundaries.")
-    return _add_tokenizer_args(parser)
-
-
-def main(argv: list[str]) -> int:
-    args = text_parser().parse_args(argv)
-    summary = build_text_dataset(args.input, args.output, build_tokenizer(args, "data text"),
-                                 json_key=args.json_key, append_eod=args.append_eod)
-    rate = summary["tokens"] / max(summary["seconds"], 1e-9)
-    print(f"{args.output}: {summary['documents']:,} documents, {summary['tokens']:,} tokens "
-          f"({rate:,.0f} tokens/s, {summary['dtype']}"
-          + (", EOD appended" if summary["append_eod"] else ", no EOD")
-          + (f"; {summary['empty_skipped']} empty skipped" if summary["empty_skipped"] else "") + ")")
-    return 0

@@ -69,7 +69,6 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from megatron_kd.megatron.args import cache_entries
 from megatron_kd.ops.kl.function import triton_block_budget, triton_row_bytes
 from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory
 
@@ -444,7 +443,7 @@ def plan_args(flags: list[str], gpus: int) -> tuple[argparse.Namespace, Layout]:
     needs, its layout). Mistakes, and layouts Megatron would refuse, are one ``FlagError``."""
     from megatron_kd.errors import FlagError
     from megatron_kd.megatron.args import check_kd_flags
-    from megatron_kd.megatron.train import parse_flags
+    from megatron_kd.megatron.flags import parse_flags
 
     args = parse_flags(expand_optimizer_flags(flags), prog="megatron-kd plan")  # with --kd-optimizer's flags
     for flag, value in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
@@ -478,51 +477,3 @@ def plan_args(flags: list[str], gpus: int) -> tuple[argparse.Namespace, Layout]:
     if problem:
         raise FlagError(f"Megatron cannot run this layout: {problem}")
     return args, layout
-
-
-def _plan_options(argv: list[str]) -> tuple[argparse.Namespace, list[str], float, float | None]:
-    """plan's own flags (one ``FlagError`` each) and the run's flags."""
-    from megatron_kd.errors import FlagError, FlagParser
-
-    ours = FlagParser(prog="megatron-kd plan", add_help=False)
-    ours.add_argument("--gpus", type=int, default=8)
-    ours.add_argument("--gpu-memory", default=DEFAULT_GPU_MEMORY)
-    ours.add_argument("--host-memory", default=None)
-    ours.add_argument("--loss", choices=("fused", "dense", "ce"), default="fused")
-    ours.add_argument("--search", action="store_true")
-    ours.add_argument("--top", type=int, default=8, help="layouts listed by --search")
-    opts, rest = ours.parse_known_args(argv)
-    for flag, value in (("--gpus", opts.gpus), ("--top", opts.top)):
-        if value < 1:
-            raise FlagError(f"{flag} must be >= 1, got {value}")
-    try:
-        gpu_memory = parse_size(opts.gpu_memory)
-        host_memory = parse_size(opts.host_memory) if opts.host_memory else None
-    except ValueError as e:
-        raise FlagError(f"--gpu-memory / --host-memory: {e}") from None
-    for flag, value in (("--gpu-memory", gpu_memory), ("--host-memory", host_memory)):
-        if value is not None and value <= 0:
-            raise FlagError(f"{flag} must be > 0, got {value:g} bytes")
-    return opts, rest, gpu_memory, host_memory
-
-
-def main(argv: list[str]) -> int:
-    from megatron_kd.console import code_path_line, say
-
-    opts, rest, gpu_memory, host_memory = _plan_options(argv)
-    args, layout = plan_args(rest, opts.gpus)
-    say(code_path_line(args.transformer_impl, planned=True))
-    kd_topk = cache_entries(args)
-    plans = {loss: estimate(args, layout, gpus=opts.gpus, loss=loss, kd_topk=kd_topk) for loss in ("fused", "ce", "dense")}
-    print(format_plan(plans[opts.loss], gpu_memory, host_memory, opts.gpus))
-    print("  loss paths: " + ", ".join(f"{loss} {p.total / GIB:.1f} GiB" for loss, p in plans.items()))
-    if opts.search:
-        fits = search(args, opts.gpus, gpu_memory=gpu_memory, host_memory=host_memory, loss=opts.loss, kd_topk=kd_topk)
-        print(f"\nlayouts that fit ({len(fits)}), fastest first:" if fits else
-              "\nno layout fits: more GPU or host memory, more nodes, or LoRA (see README)")
-        for p in fits[:opts.top]:
-            print(f"  {p.layout.describe():48s} {p.total / GIB:6.1f} GiB/GPU"
-                  + (f", host {p.host_bytes * opts.gpus / GIB:.0f} GiB" if p.host_bytes else "")
-                  + f", relative step time {step_cost(args, p.layout, opts.gpus) * opts.gpus:.2f}"
-                  + (f"  ({' '.join(p.layout.recompute_flags())})" if p.layout.recompute_flags() else ""))
-    return 0

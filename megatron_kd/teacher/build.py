@@ -1,4 +1,5 @@
-"""``megatron-kd cache build``: the teacher pass on GPUs, launched by torchrun with Megatron-LM flags.
+"""The teacher pass on GPUs (``megatron-kd cache build``, ``commands/cache_build.py``): a teacher
+run once over the student run's training data, its top-K (or sampled) entries written to the cache.
 
     torchrun --nproc-per-node 8 -m megatron_kd.cli cache build \\
         <the student run's data flags: --data-path --split --seq-length --seed --train-iters
@@ -68,7 +69,7 @@ def _megatron_teacher(args, tokenizer, packing: DocumentPacking | None = None) -
     from megatron.training.checkpointing import load_checkpoint
     from megatron.training.training import get_model
 
-    from megatron_kd.megatron.train import model_provider
+    from megatron_kd.megatron.run import model_provider
     from megatron_kd.models.hf import init_from_hf
 
     if args.pipeline_model_parallel_size > 1:
@@ -93,20 +94,20 @@ def _megatron_teacher(args, tokenizer, packing: DocumentPacking | None = None) -
                            fingerprint=fingerprint, packing=packing)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_cache(args) -> dict:
+    """The teacher pass over Megatron-LM's global arguments ``args`` (``--kd-cache`` given): starts
+    Megatron, writes this rank's partition of the cache and returns, the same on every rank, what the
+    pass did: ``total`` samples the cache holds, ``samples`` / ``tokens`` computed by this pass,
+    their ``mass`` (the teacher's mean top-K mass), the cache's ``mode``, ``k``, ``loss_mask`` (its
+    field, or None) and ``bytes_per_token``."""
     from megatron.core import parallel_state
-    from megatron.training import print_rank_0
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import get_train_valid_test_num_samples
 
-    from megatron_kd.megatron.train import build_datasets, consumed_train_samples, parse_megatron_args
+    from megatron_kd.megatron.run import build_datasets, consumed_train_samples
 
-    args = parse_megatron_args(argv, {"no_load_optim": True, "no_load_rng": True})
     initialize_megatron()
-    if not args.kd_cache:
-        raise CacheError("--kd-cache PATH is required: where to write the teacher cache")
     device = torch.device("cuda", torch.cuda.current_device())
-
     # the student's splits; every rank of a model replica reads the samples it feeds the teacher
     sizes = list(get_train_valid_test_num_samples())
     (train, _, _), tokenizer = build_datasets(sizes, is_built_on_rank=lambda *a, **k: True)
@@ -149,13 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.all_reduce(totals)
     dist.barrier()
     samples, tokens, mass = (float(x) for x in totals)
-    # a resumed pass computes only what was missing: say so, and size the store by what it holds
     total = consumed_train_samples(args)
-    already = f" ({total - int(samples)} were already in the cache)" if int(samples) < total else ""
-    this_pass = (f"mean teacher mass {mass / tokens:.4f} over them" if tokens else "nothing left to compute")
-    if loss_mask:
-        this_pass += f"; entries only where the loss mask {loss_mask['mask']!r} keeps the loss"
-    print_rank_0(f"teacher cache {args.kd_cache}: {total} samples, "
-                 f"{store_bytes(args.kd_cache) / (total * args.seq_length):.1f} bytes/token, mode {mode}, K={k}; "
-                 f"this pass computed {int(samples)} samples, {int(tokens):,} tokens{already}, {this_pass}")
-    return 0
+    return {"total": total, "samples": int(samples), "tokens": int(tokens), "mass": mass / tokens if tokens else None,
+            "mode": mode, "k": k, "loss_mask": loss_mask,
+            "bytes_per_token": store_bytes(args.kd_cache) / (total * args.seq_length)}

@@ -33,7 +33,8 @@ def save_tokenizer(directory: Path, specials: list[str], *, eos: str, chat_templ
 
 def megatron_tokenizer(directory: Path):
     """The Megatron tokenizer ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` builds."""
-    from megatron_kd.data.chat import build_tokenizer, chat_parser
+    from megatron_kd.commands.data_chat import chat_parser
+    from megatron_kd.data.chat import build_tokenizer
 
     args = chat_parser().parse_args(["--input", "-", "--output", "-", "--tokenizer-type", "HuggingFaceTokenizer",
                                      "--tokenizer-model", str(directory)])

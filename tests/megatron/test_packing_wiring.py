@@ -129,7 +129,7 @@ def test_cache_records_packing(tmp_path):
 
 def test_flags_refused_before_start_up():
     from megatron_kd.errors import FlagError
-    from megatron_kd.megatron.train import check_megatron_flags
+    from megatron_kd.megatron.flags import check_megatron_flags
     from tiny_gpt_oss import CPU_FLAGS, TINY_ARCH
 
     with pytest.raises(FlagError, match="--reset-attention-mask with --context-parallel-size 2"):

@@ -28,7 +28,7 @@ from tiny_gpt_oss import recipe_flags  # noqa: E402
 
 from megatron_kd.cli import main  # noqa: E402
 from megatron_kd.megatron.plan import GIB, Layout, estimate, model_parameters, plan_args  # noqa: E402
-from megatron_kd.megatron.train import megatron_parser  # noqa: E402
+from megatron_kd.megatron.flags import megatron_parser  # noqa: E402
 from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory  # noqa: E402
 
 ROOT = Path(__file__).parents[2]

@@ -18,7 +18,7 @@ import pytest
 
 from megatron_kd.cli import main
 from megatron_kd.megatron.plan import Layout, candidate_layouts, estimate, layout_error, plan_args
-from megatron_kd.megatron.train import parse_flags
+from megatron_kd.megatron.flags import parse_flags
 
 RUN = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "4096",
        "--vocab-size", "32000", "--global-batch-size", "8"]

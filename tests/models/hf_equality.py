@@ -34,7 +34,8 @@ def build_student(flags):
     """parse_megatron_args + model_provider: what ``megatron-kd train --kd-student-hf`` runs."""
     from megatron.core import parallel_state
 
-    from megatron_kd.megatron.train import model_provider, parse_megatron_args
+    from megatron_kd.megatron.flags import parse_megatron_args
+    from megatron_kd.megatron.run import model_provider
 
     args = parse_megatron_args(flags)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,

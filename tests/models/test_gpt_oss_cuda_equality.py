@@ -276,7 +276,7 @@ def _our_run(v: Variant, args, tokens, labels, pins):
     ``model_provider`` builds, routed by ``pins``."""
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_kd.megatron.train import model_provider
+    from megatron_kd.megatron.run import model_provider
 
     module = model_provider()
     if tokens.is_cuda:  # megatron.training's get_model moves the model to the GPU; torch norms start on the CPU
@@ -296,7 +296,7 @@ def _our_run(v: Variant, args, tokens, labels, pins):
 def _worker(rank, world, tmp, seed, variant):
     from megatron.core import parallel_state, tensor_parallel
 
-    from megatron_kd.megatron.train import parse_megatron_args
+    from megatron_kd.megatron.flags import parse_megatron_args
 
     v = VARIANTS[variant]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

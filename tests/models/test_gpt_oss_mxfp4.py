@@ -86,7 +86,8 @@ def _logits(model, tokens):
 def _worker(rank, world, tmp, seed):
     from megatron.core import parallel_state
 
-    from megatron_kd.megatron.train import model_provider, parse_megatron_args
+    from megatron_kd.megatron.flags import parse_megatron_args
+    from megatron_kd.megatron.run import model_provider
     from megatron_kd.models.gpt import gpt_model_from_args
     from megatron_kd.models.hf import init_from_hf
 

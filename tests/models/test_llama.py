@@ -116,7 +116,7 @@ def test_tiny_llama_and_qwen3_tensor_parallel_equal_transformers(tmp_path, seed)
 @pytest.mark.parametrize("kind", KINDS)
 def test_flags_describe_the_checkpoint_and_a_different_one_is_refused(kind):
     from megatron_kd.errors import ModelConfigError
-    from megatron_kd.megatron.train import parse_flags
+    from megatron_kd.megatron.flags import parse_flags
     from megatron_kd.models.llama import check_dense_hf_config, dense_hf_config, megatron_flags
 
     published = tiny_config(kind)
@@ -161,7 +161,7 @@ _PUBLISHED = {
 def test_recipe_is_the_published_llama(size):
     from transformers import LlamaConfig
 
-    from megatron_kd.megatron.train import parse_flags
+    from megatron_kd.megatron.flags import parse_flags
     from megatron_kd.models.llama import check_dense_hf_config
 
     fields = dict(_PUBLISHED[size])
@@ -180,7 +180,7 @@ def test_hf_flags_prints_flags_that_describe_the_directory(tmp_path, capsys):
     from transformers import AutoConfig
 
     from megatron_kd.cli import main
-    from megatron_kd.megatron.train import parse_flags
+    from megatron_kd.megatron.flags import parse_flags
     from megatron_kd.models.llama import check_dense_hf_config
 
     for kind in KINDS:

@@ -428,7 +428,7 @@ def test_pruned_heads_are_the_teacher_without_them(tmp_path, seed, arch):
 # ------------------------------------------------------------------------ 4. the whole path on gloo
 def _calibration_worker(rank, world, tmp, seed):
     from megatron_kd.prune import calibrate
-    from megatron_kd.prune.command import layer_group_size
+    from megatron_kd.prune.run import layer_group_size
     from megatron_kd.teacher.sources import MegatronTeacher
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -719,7 +719,7 @@ def test_expert_channel_scores_under_expert_parallelism(seed):
 def test_student_flags_keep_the_head_width():
     from types import SimpleNamespace
 
-    from megatron_kd.prune.command import student_flags
+    from megatron_kd.commands.prune import student_flags
 
     args = SimpleNamespace(kv_channels=None, hidden_size=3072, num_attention_heads=24)  # Llama-3.2-3B: 128 wide
     opts = SimpleNamespace(prune_num_layers=None, prune_num_experts=None, prune_ffn_hidden_size=4096,
