@@ -1,8 +1,8 @@
 """GPT-OSS's core attention at long context on one GPU: every path of models/attention.py that takes
 the layer, forward and forward + backward, with the sink's gradient.
 
-    python benchmarks/bench_attention.py --out runs/attention            # H200, ~1 min
-    python benchmarks/bench_attention.py --seq 131072 --heads 24 --groups 8 --no-sink --out runs/a128k
+    python -m benchmarks.bench_attention --out runs/attention            # H200, ~1 min
+    python -m benchmarks.bench_attention --seq 131072 --heads 24 --groups 8 --no-sink --out runs/a128k
 
 The layers are GPT-OSS-20B's at one rank of the 8-GPU node: 64 query heads over 8 key/value groups of
 head dim 64, bf16, b = 1, in megatron's [s, b, heads, d] memory as CoreAttention passes it. Two
@@ -26,12 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cuda_timing import cuda_median_ms  # noqa: E402
-
-from megatron_kd.models.attention import core_attention, flash4_available  # noqa: E402
+from benchmarks.common.cuda_timing import cuda_median_ms
+from megatron_kd.models.attention import core_attention, flash4_available
 
 LAYERS = {"full": None, "window": (127, 0)}
 

@@ -1,9 +1,9 @@
 """Teacher cache: bytes per token on disk and read+decode throughput of one process (CPU).
 
-    python benchmarks/bench_cache.py                       # K=100, V=201,088, 64 samples x 2048 tokens
-    python benchmarks/bench_cache.py --samples 16 --seq-length 4096 --rows-per-shard 4,16
-    python benchmarks/bench_cache.py --pool 1 --pool-dir /tmp/pools   # A/B of two checkouts: same data
-    python benchmarks/bench_cache.py --draws 16 --codecs topk-v1,sampled-counts-v1   # sampled caches
+    python -m benchmarks.bench_cache                       # K=100, V=201,088, 64 samples x 2048 tokens
+    python -m benchmarks.bench_cache --samples 16 --seq-length 4096 --rows-per-shard 4,16
+    python -m benchmarks.bench_cache --pool 1 --pool-dir /tmp/pools   # A/B of two checkouts: same data
+    python -m benchmarks.bench_cache --draws 16 --codecs topk-v1,sampled-counts-v1   # sampled caches
 
 Every cache is written once per codec (``--codecs``, default topk-v1, topk-v2 and topk-v3; with
 --draws, topk-v1 and sampled-counts-v1) from the same rows. topk-v3 rounds the probabilities
@@ -17,7 +17,7 @@ CacheReader's first pass (decoding plus the first-touch check of each shard file
 record: read whole, CRC32C) and a later pass of the same reader (decoding plus a stat per file), in
 wall-clock tokens/s and tokens per CPU-second of the process.
 
-Data is teacher-like (tests/kd_inputs.teacher_topk: Student-t logits, mean top-1 p ~0.5, top-100
+Data is teacher-like (tests/fixtures/kd_inputs.teacher_topk: Student-t logits, mean top-1 p ~0.5, top-100
 mass ~0.9), once with uniform ids (the worst case for id compression) and once with a Zipf(1)
 unigram prior on ids (real LM top-K lists favour frequent, i.e. low BPE, ids). Naive storage
 (int32 ids + bf16 values) is 600 bytes/token at K=100. Positions are independent: the top-K sets
@@ -34,18 +34,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from kd_inputs import sampled_rows, teacher_topk  # noqa: E402
-
-from megatron_kd.cache import CacheReader, CacheWriter  # noqa: E402
-from megatron_kd.cache.inspect import store_bytes  # noqa: E402
+from benchmarks.common.cache_measure import measure
+from tests.fixtures.kd_inputs import sampled_rows, teacher_topk
 
 
 def make_pool(args, zipf: float) -> list:
@@ -65,47 +60,6 @@ def make_pool(args, zipf: float) -> list:
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(pool, file)
     return pool
-
-
-def shard_bytes(path: Path) -> int:
-    """Bytes of the ids / logprobs shard files alone (no metadata, records or rows_done)."""
-    return sum(p.stat().st_size for name in ("ids", "logprobs") for p in path.glob(f"dp_*/{name}/c/**/*")
-               if p.is_file())
-
-
-def measure(path: Path, pool: list, *, vocab: int, k: int, seq_length: int, samples: int, rows_per_shard: int,
-            codec: str, draws: int = 0, repeats: int = 3) -> dict:
-    """Write ``samples`` samples (``pool`` reused cyclically) with ``codec``; bytes/token and rates."""
-    shutil.rmtree(path, ignore_errors=True)
-    meta = {"mode": "sampled", "sampled_draws": draws} if draws else {}
-    t0 = time.perf_counter()
-    with CacheWriter(path, vocab_size=vocab, topk=k, seq_length=seq_length, num_samples=samples,
-                     rows_per_shard=rows_per_shard, metadata=meta, codec=codec) as w:
-        for s in range(samples):
-            w.write(s, *pool[s % len(pool)])
-    write_s = time.perf_counter() - t0
-    tokens = samples * seq_length
-    # per repeat: a fresh reader's first pass (each shard file checked against its binding record on
-    # first touch), then a later pass of the same reader (a stat per file); best of --repeats, wall
-    # clock and this process's CPU time (all threads: steadier than wall time on a shared machine)
-    best = {"first": (float("inf"), float("inf")), "later": (float("inf"), float("inf"))}
-    for _ in range(repeats):
-        reader = CacheReader(path)
-        for which in best:
-            t0, c0 = time.perf_counter(), time.process_time()
-            n = sum(ids.shape[0] for _, ids, _ in reader.prefetch(range(samples)))
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            best[which] = (min(best[which][0], wall), min(best[which][1], cpu))
-    t0 = time.perf_counter()
-    reader = CacheReader(path)
-    for s in range(samples):
-        reader.read(s)
-    single_s = time.perf_counter() - t0
-    return {"codec": codec, "rows_per_shard": rows_per_shard, "bytes_per_token": store_bytes(path) / tokens,
-            "shard_bytes_per_token": shard_bytes(path) / tokens,
-            "write_tok_s": tokens / write_s, "first_tok_s": n / best["first"][0], "later_tok_s": n / best["later"][0],
-            "first_tok_cpu_s": n / best["first"][1], "later_tok_cpu_s": n / best["later"][1],
-            "read_one_by_one_tok_s": tokens / single_s}
 
 
 def run(args, zipf: float, rows_per_shard: int, codec: str, workdir: Path) -> dict:

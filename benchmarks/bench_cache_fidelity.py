@@ -1,11 +1,11 @@
 """Cache codecs on real teacher rows, and the sampled cache's draws against distillation quality.
 
-    python benchmarks/bench_cache_fidelity.py rows --size cpu --out /tmp/cache-rows
-    python benchmarks/bench_cache_fidelity.py rows --size cpu --out /tmp/cache-rows-8k \\
+    python -m benchmarks.bench_cache_fidelity rows --size cpu --out /tmp/cache-rows
+    python -m benchmarks.bench_cache_fidelity rows --size cpu --out /tmp/cache-rows-8k \\
         --set vocab=8192 --set corpus_bytes=3000000 --set bpe_bytes=3000000
-    python benchmarks/bench_cache_fidelity.py sweep --size cpu --out /tmp/cache-sweep
-    python benchmarks/bench_cache_fidelity.py sweep --size gpu --out runs/cache-sweep [--resume]
-    python benchmarks/bench_cache_fidelity.py quality --size cpu --out /tmp/cache-quality \
+    python -m benchmarks.bench_cache_fidelity sweep --size cpu --out /tmp/cache-sweep
+    python -m benchmarks.bench_cache_fidelity sweep --size gpu --out runs/cache-sweep [--resume]
+    python -m benchmarks.bench_cache_fidelity quality --size cpu --out /tmp/cache-quality \
         --codecs topk-v2,topk-v3 --tails renorm,ghost,none
 
 ``rows``: the fidelity benchmark's corpus, BPE and teacher (benchmarks/bench_fidelity.py, its
@@ -48,9 +48,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_cache  # noqa: E402
-import bench_fidelity as bf  # noqa: E402
+import benchmarks.common.fidelity as bf
+from benchmarks.common.cache_measure import measure
 
 TOP_K_CODECS = ("topk-v1", "topk-v2", "topk-v3")
 SAMPLED_CODECS = ("topk-v1", "sampled-counts-v1")
@@ -101,9 +100,9 @@ def run_rows(args, preset: bf.Preset, out: Path) -> dict:
         distinct = float((ids >= 0).sum(-1).double().mean())
         entry = {"mode": mode, "k": k, "mean_entries": distinct, "codecs": {}}
         for codec in (TOP_K_CODECS if mode == "topk" else SAMPLED_CODECS):
-            r = bench_cache.measure(bench.work / "measure" / f"{name}-{codec}", pool, vocab=bench.vocab, k=k,
-                                    seq_length=preset.seq_length, samples=rows, rows_per_shard=args.rows_per_shard,
-                                    codec=codec, draws=k if mode == "sampled" else 0, repeats=args.repeats)
+            r = measure(bench.work / "measure" / f"{name}-{codec}", pool, vocab=bench.vocab, k=k,
+                        seq_length=preset.seq_length, samples=rows, rows_per_shard=args.rows_per_shard,
+                        codec=codec, draws=k if mode == "sampled" else 0, repeats=args.repeats)
             entry["codecs"][codec] = r
             log(f"{name} {codec}: {r['bytes_per_token']:.1f} bytes/token ({r['shard_bytes_per_token']:.1f} in shard "
                 f"files), read {r['later_tok_s']:.3g} tok/s (first pass {r['first_tok_s']:.3g})")

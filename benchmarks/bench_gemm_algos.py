@@ -10,8 +10,8 @@ floor does not narrow the ratio.
 
 Needs nvmath-python (not a dependency of megatron_kd: `pip install nvmath-python`) and a GPU.
 
-    python benchmarks/bench_gemm_algos.py                          # GPT-OSS 32K and its TP = 2 shard
-    python benchmarks/bench_gemm_algos.py --shapes gptoss-32k-half --no-floor
+    python -m benchmarks.bench_gemm_algos                          # GPT-OSS 32K and its TP = 2 shard
+    python -m benchmarks.bench_gemm_algos --shapes gptoss-32k-half --no-floor
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from cuda_timing import cuda_median_ms
+from benchmarks.common.cuda_timing import cuda_median_ms
 
 HIDDEN = 2880
 # shape: (tokens per chunk of the loss's default, local vocabulary)

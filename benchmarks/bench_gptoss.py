@@ -1,8 +1,8 @@
 """GPT-OSS students without Transformer Engine at 32K tokens: step time, memory, TFLOP/s, layers.
 
-    python benchmarks/bench_gptoss.py --layers 4 --out results.json                 # one GPU
-    torchrun --nproc-per-node 2 benchmarks/bench_gptoss.py --layers 4 --ep 2       # two GPUs, EP=2
-    python benchmarks/bench_gptoss.py --tiny                                        # CPU smoke run
+    python -m benchmarks.bench_gptoss --layers 4 --out results.json                 # one GPU
+    torchrun --nproc-per-node 2 -m benchmarks.bench_gptoss --layers 4 --ep 2       # two GPUs, EP=2
+    python -m benchmarks.bench_gptoss --tiny                                        # CPU smoke run
 
 The model is examples/gpt_oss's 20B recipe at its real width (hidden 2880, 64/8 heads, 32
 experts top-4, vocabulary 201,088, window 128 on even layers, sinks, YaRN) with the depth cut to
@@ -27,16 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "models"))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.common.gpt_oss import model_flags, model_flops
 
 
 def parse():
@@ -51,56 +47,6 @@ def parse():
     p.add_argument("--tiny", action="store_true", help="CPU smoke run at toy sizes")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args()
-
-
-# megatron-core without Transformer Engine: the local spec and none of its fused kernels
-LOCAL_SPEC_FLAGS = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
-                    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
-
-
-def model_flags(opts) -> list[str]:
-    from tiny_gpt_oss import recipe_flags
-
-    flags = [*recipe_flags("20b", layout=False), "--num-layers", str(opts.layers), "--seq-length", str(opts.seq),
-             "--micro-batch-size", "1", "--global-batch-size", str(opts.ep), "--train-iters", "10",
-             "--expert-model-parallel-size", str(opts.ep), "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", "201088", *LOCAL_SPEC_FLAGS, "--calculate-per-token-loss", "--bf16", "--lr", "1e-5"]
-    if opts.tiny:
-        flags += ["--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16",
-                  "--moe-ffn-hidden-size", "48", "--ffn-hidden-size", "48", "--num-experts", "4",
-                  "--window-size", "7,0", "--vocab-size", "1000", "--moe-token-dispatcher-type", "allgather",
-                  "--use-cpu-initialization", "--max-position-embeddings", "4096"]
-    return flags
-
-
-def mlp_flops_per_token(args) -> float:
-    """Forward matmul FLOPs of one layer's MLP per token: the router and the top-k experts (gated:
-    three matrices each) of an MoE layer; a dense MLP's three matrices when gated (``--swiglu``),
-    else two."""
-    h = args.hidden_size
-    if args.num_experts:
-        return 2 * h * args.num_experts + args.moe_router_topk * 2 * 3 * h * args.moe_ffn_hidden_size
-    return 2 * (3 if args.swiglu else 2) * h * args.ffn_hidden_size
-
-
-def model_flops(args, seq: int, document: int | None = None) -> float:
-    """Matmul FLOPs of forward + backward for one sequence of ``seq`` tokens (3x forward), of an
-    MoE or a dense model; ``document``: packed documents of that many tokens kept apart, each
-    query attending within its own document (the causal half of a document, not of the sequence)."""
-    from megatron.core.transformer.utils import is_layer_window_attention
-
-    h, n, d = args.hidden_size, args.num_attention_heads, args.kv_channels
-    g = args.num_query_groups if args.group_query_attention else n
-    per_token = 0.0
-    for layer in range(1, args.num_layers + 1):
-        window = is_layer_window_attention(args.window_size, args.window_attn_skip_freq, layer)
-        span = min(document or seq, seq)  # the keys a query can reach at most
-        keys = min(args.window_size[0] + 1, span) if window else (span + 1) / 2  # average keys per query
-        per_token += 2 * h * (n * d + 2 * g * d) + 2 * n * d * h  # q/k/v and output projections
-        per_token += 2 * 2 * n * d * keys  # scores and values
-        per_token += mlp_flops_per_token(args)
-    per_token += 2 * h * args.padded_vocab_size  # logits
-    return 3 * per_token * seq
 
 
 def teacher_rows(seq: int, vocab: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,8 +89,7 @@ def step_stats(model, forward_step, batch, steps: int, device) -> dict:
 
 
 def attention_bench(args, seq: int, device) -> dict:
-    from cuda_timing import cuda_median_ms
-
+    from benchmarks.common.cuda_timing import cuda_median_ms
     from megatron_kd.models.attention import core_attention
 
     n, g, d = args.num_attention_heads, args.num_query_groups, args.kv_channels
@@ -163,7 +108,7 @@ def attention_bench(args, seq: int, device) -> dict:
 
 
 def experts_bench(args, seq: int, device, profile: bool = False) -> dict:
-    from cuda_timing import cuda_median_ms
+    from benchmarks.common.cuda_timing import cuda_median_ms
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
     from megatron.core.transformer.mlp import MLPSubmodules
@@ -216,7 +161,7 @@ def main():
     if cuda:
         run(opts, device)
     else:  # the smoke run: megatron-core on the CPU through the test harness's patches
-        from dist_utils import megatron_cpu_patches
+        from tests.fixtures.dist_utils import megatron_cpu_patches
 
         with megatron_cpu_patches():
             run(opts, device)
@@ -233,8 +178,8 @@ def run(opts, device):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_kd.megatron.args import KDConfig
-    from megatron_kd.megatron.loss import KDForwardStep
     from megatron_kd.megatron.flags import parse_megatron_args
+    from megatron_kd.megatron.loss import KDForwardStep
     from megatron_kd.models.gpt import gpt_model_from_args
 
     args = parse_megatron_args(model_flags(opts))

@@ -9,23 +9,19 @@ kernel whose tiles start from main_grad instead of zeros pays that traffic insid
 This script measures whether such a Triton kernel beats cuBLAS on these shapes before the loss
 uses it.
 
-    python benchmarks/bench_gradw.py                       # GPT-OSS chunk, all configs
-    python benchmarks/bench_gradw.py --rows 2752 --vocab 100544
-    python benchmarks/bench_gradw.py --check               # correctness only, tiny shapes (CPU with TRITON_INTERPRET=1)
+    python -m benchmarks.bench_gradw                       # GPT-OSS chunk, all configs
+    python -m benchmarks.bench_gradw --rows 2752 --vocab 100544
+    python -m benchmarks.bench_gradw --check               # correctness only, tiny shapes (CPU with TRITON_INTERPRET=1)
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @triton.jit
@@ -188,7 +184,7 @@ def check(device: str, rows=70, vocab=312, hidden=48, tol=1e-5) -> None:
 
 
 def bench(rows: int, vocab: int, hidden: int, reps: int, which: str) -> None:
-    from cuda_timing import cuda_median_ms
+    from benchmarks.common.cuda_timing import cuda_median_ms
 
     dev = "cuda"
     a = (torch.randn(rows, vocab, device=dev) * 1e-3).bfloat16()

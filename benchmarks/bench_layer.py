@@ -1,13 +1,13 @@
 """Where one GPT-OSS-20B layer's time goes at 32K tokens: a window layer and a full layer, bf16, one GPU.
 
-    python benchmarks/bench_layer.py --out runs/layer                       # H200, < 2 min
-    python benchmarks/bench_layer.py --out runs/layer --extra "--recompute-granularity selective \\
+    python -m benchmarks.bench_layer --out runs/layer                       # H200, < 2 min
+    python -m benchmarks.bench_layer --out runs/layer --extra "--recompute-granularity selective \\
         --recompute-modules moe_act --moe-grouped-gemm"                     # with a recompute option
-    python benchmarks/bench_layer.py --out runs/layer-mcore --megatron-ops rope,permutation   # megatron-core's RoPE
+    python -m benchmarks.bench_layer --out runs/layer-mcore --megatron-ops rope,permutation   # megatron-core's RoPE
                                                                             # and token permutation instead
-    python benchmarks/bench_layer.py --tiny --out /tmp/layer                # CPU smoke run (CI)
+    python -m benchmarks.bench_layer --tiny --out /tmp/layer                # CPU smoke run (CI)
 
-The model is examples/gpt_oss's 20B recipe at its real width (``bench_gptoss.model_flags``) with two
+The model is examples/gpt_oss's 20B recipe at its real width (``benchmarks.common.gpt_oss.model_flags``) with two
 layers (layer 0 has the 128-key window, layer 1 full causal attention with sinks) and ``--experts``
 local experts (default 4, top-4: one rank of the 8-GPU node), parsed by Megatron-LM's parser and
 built by ``megatron-kd train``'s own ``model_provider``, wrapped as training wraps it (Float16Module,
@@ -38,18 +38,11 @@ import json
 import os
 import shlex
 import statistics
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "models"))
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
 
 GIB = 2**30
 TOP_OPS = 60
@@ -74,7 +67,7 @@ def parse(argv=None):
 
 
 def layer_flags(opts) -> list[str]:
-    from bench_gptoss import model_flags
+    from benchmarks.common.gpt_oss import model_flags
 
     flags = model_flags(argparse.Namespace(layers=2, seq=opts.seq, ep=1, tiny=opts.tiny))
     if not opts.tiny:
@@ -331,7 +324,7 @@ def main(argv=None):
         if cuda:
             run(opts, device)
         else:  # megatron-core on the CPU through the test harness's patches
-            from dist_utils import megatron_cpu_patches
+            from tests.fixtures.dist_utils import megatron_cpu_patches
 
             with megatron_cpu_patches():
                 run(opts, device)

@@ -9,16 +9,16 @@ sum over tokens, K = 100, from bf16 hidden [T, h] and weight [V, h], teacher ids
 logprobs [T, K] fp32. --divergence times the ours-* methods (and dense) for other divergences too:
 each (divergence, tail) is a row of its own, in the same round as the floor.
 
-    python benchmarks/bench_loss.py --check                          # correctness of the KL methods (CPU ok)
-    python benchmarks/bench_loss.py                                  # all methods x shapes, one GPU
-    python benchmarks/bench_loss.py --methods floor,ours-triton --shapes gptoss-32k --out results.csv
-    python benchmarks/bench_loss.py --methods floor,ours-triton-main-grad --shapes gptoss-32k --rounds 3
-    python benchmarks/bench_loss.py --methods ours-triton --shapes gptoss-32k --chunk-size 512
-    python benchmarks/bench_loss.py --methods floor,ours-triton-main-grad --shapes gptoss-32k \
+    python -m benchmarks.bench_loss --check                          # correctness of the KL methods (CPU ok)
+    python -m benchmarks.bench_loss                                  # all methods x shapes, one GPU
+    python -m benchmarks.bench_loss --methods floor,ours-triton --shapes gptoss-32k --out results.csv
+    python -m benchmarks.bench_loss --methods floor,ours-triton-main-grad --shapes gptoss-32k --rounds 3
+    python -m benchmarks.bench_loss --methods ours-triton --shapes gptoss-32k --chunk-size 512
+    python -m benchmarks.bench_loss --methods floor,ours-triton-main-grad --shapes gptoss-32k \
         --divergence all --rounds 3                                 # forward, reverse, jsd vs the floor
-    python benchmarks/bench_loss.py --check --divergence all       # the divergences' correctness too
-    python benchmarks/bench_loss.py --tp 2 --shapes gptoss-32k,h4096-v64k-32k
-    python benchmarks/bench_loss.py --methods ours-torch,ours-triton,ours-triton-main-grad \\
+    python -m benchmarks.bench_loss --check --divergence all       # the divergences' correctness too
+    python -m benchmarks.bench_loss --tp 2 --shapes gptoss-32k,h4096-v64k-32k
+    python -m benchmarks.bench_loss --methods ours-torch,ours-triton,ours-triton-main-grad \\
         --shapes gptoss-32k-half,h4096-v32k-32k                     # the same per-rank V at --tp 1
 
 Methods:
@@ -84,8 +84,7 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_timing import cuda_median_ms  # noqa: E402
+from benchmarks.common.cuda_timing import cuda_median_ms
 
 SHAPES = {  # name: (tokens, hidden, vocab)
     "h4096-v64k-8k": (8192, 4096, 65536),
@@ -176,8 +175,7 @@ def _leaves(h, w, method):
 
 def _kl_fn(method, chunk_size, tp_group, loss: Loss, labels):
     """(hidden, weight, ids, logprobs) -> loss, for the KL methods."""
-    import loss_baselines
-
+    from benchmarks.common import loss_baselines
     from megatron_kd.ops import fused_topk_kl, topk_kl_reference
 
     if method not in LOSS_METHODS and loss != Loss():
@@ -572,8 +570,9 @@ def main():
             if m in LOSS_METHODS or Loss() in losses or m == "floor"]
     for rnd, shape, (method, loss) in itertools.product(range(1, args.rounds + 1), args.shapes.split(","), runs):
         env = dict(os.environ, **({"BENCH_LOSS_PROFILE": "1"} if args.profile else {}))
-        proc = subprocess.run([sys.executable, __file__, "--one", method, shape, loss.divergence, loss.tail,
-                               str(loss.ce_weight), *extra], capture_output=True, text=True, env=env)
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_loss", "--one", method, shape, loss.divergence,
+                               loss.tail, str(loss.ce_weight), *extra], capture_output=True, text=True, env=env,
+                              cwd=Path(__file__).resolve().parents[1])
         if args.profile:
             print(proc.stderr[-6000:], file=sys.stderr)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -1,6 +1,6 @@
 """Host memory of Megatron's optimizer CPU offload, per parameter (one GPU, ~2 minutes).
 
-    python benchmarks/bench_offload.py [--out DIR]      # DIR/offload.json and the two training logs
+    python -m benchmarks.bench_offload [--out DIR]      # DIR/offload.json and the two training logs
 
 Runs ``megatron-kd train`` twice on the same 0.94B-parameter GPT for 3 iterations: the distributed
 optimizer alone, and with the 120B recipe's optimizer flags (precision-aware fp16 master weights and
@@ -23,24 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 32768
-
-# the model and run (no data flags): tests/megatron/test_plan.py plans the same flags
-MODEL_FLAGS = [
-    "--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "8192",
-    "--seq-length", "1024", "--max-position-embeddings", "1024", "--micro-batch-size", "1",
-    "--global-batch-size", "1", "--train-iters", "3", "--lr", "1e-4",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--bf16", "--seed", "1",
-    "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-    "--no-masked-softmax-fusion", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-    "--no-rope-fusion", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--calculate-per-token-loss", "--use-distributed-optimizer",
-]
-OFFLOAD_FLAGS = [
-    "--use-precision-aware-optimizer", "--main-params-dtype", "fp16", "--exp-avg-dtype", "bf16",
-    "--exp-avg-sq-dtype", "bf16", "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.0",
-]
+from benchmarks.common.offload import MODEL_FLAGS, OFFLOAD_FLAGS, VOCAB
 
 # runs the training as a child and reports the children's peak RSS (the training process's own)
 _PEAK_RSS = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "

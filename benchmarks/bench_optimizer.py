@@ -1,16 +1,16 @@
 """Does ``--kd-optimizer bf16-sr-8bit`` train as well as Megatron's default optimizer?
 
-    python benchmarks/bench_optimizer.py --size cpu --out /tmp/bench_optimizer     # 2 CPU cores: ~15 min
-    python benchmarks/bench_optimizer.py --size gpu --out runs/optimizer           # one H200: ~5 min
+    python -m benchmarks.bench_optimizer --size cpu --out /tmp/bench_optimizer     # 2 CPU cores: ~15 min
+    python -m benchmarks.bench_optimizer --size gpu --out runs/optimizer           # one H200: ~5 min
 
-The fidelity benchmark's pieces (benchmarks/bench_fidelity.py: corpus, BPE, teacher, top-K cache,
+The fidelity benchmark's pieces (benchmarks/common/fidelity.py: corpus, BPE, teacher, top-K cache,
 student architecture, held-out metrics), then the distillation recipe's settings
 (examples/gpt_oss/distill.sh: --kd-tail renorm --kd-ce-weight 0.1, cosine to lr/10 after 1% warm-up,
 --clip-grad 1.0, --weight-decay 0.1, Adam betas 0.9/0.999) at the recipe's learning rate (1e-5) and
 at 10x (1e-4), through megatron-core's own training stack: the student is a bf16 Float16Module in
 DistributedDataParallel with the distributed optimizer, gradients accumulated over micro-batches,
-``get_megatron_optimizer`` builds the optimizer of each arm (``tests/optim/megatron_student.py``;
-on CPU inside the tests' CPU harness for megatron-core, ``tests/optim/megatron_cpu.py``):
+``get_megatron_optimizer`` builds the optimizer of each arm (``tests/fixtures/megatron_student.py``;
+on CPU inside the tests' CPU harness for megatron-core, ``tests/fixtures/megatron_cpu.py``):
 
   megatron               Megatron's default: fp32 master weights, fp32 moments, fp32 gradients (12 + 4 B)
   bf16-nearest           bf16 weights rounded to nearest, no master; fp32 moments and gradients
@@ -41,10 +41,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests" / "optim"))
-import bench_fidelity as fidelity  # noqa: E402
+import benchmarks.common.fidelity as fidelity
 
 # name: (--kd-optimizer choice, Bf16Adam settings that differ from the choice's, fp32 gradients)
 ARMS = {
@@ -104,7 +101,7 @@ def _megatron_runtime(device: torch.device):
         import contextlib
 
         return contextlib.nullcontext()
-    from megatron_cpu import megatron_optimizer_cpu_patches
+    from tests.fixtures.megatron_cpu import megatron_optimizer_cpu_patches
 
     return megatron_optimizer_cpu_patches()
 
@@ -171,10 +168,10 @@ class OptimizerBench:
 
     def run_arm(self, arm: str, lr: float) -> dict:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron_student import wrap_for_training
 
         from megatron_kd.megatron.args import KDConfig
         from megatron_kd.megatron.loss import KDForwardStep
+        from tests.fixtures.megatron_student import wrap_for_training
 
         p, s = self.preset, self.setup
         choice, settings, fp32_grads = ARMS[arm]

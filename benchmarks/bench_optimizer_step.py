@@ -1,7 +1,7 @@
 """Time one ``--kd-optimizer bf16-sr-8bit`` step (``Bf16Adam``) over a GPT-OSS rank's parameters.
 
-    python benchmarks/bench_optimizer_step.py --size 20b --impls torch,triton     # one H200
-    python benchmarks/bench_optimizer_step.py --size 120b --impls triton
+    python -m benchmarks.bench_optimizer_step --size 20b --impls torch,triton     # one H200
+    python -m benchmarks.bench_optimizer_step --size 120b --impls triton
 
 The tensors are the ones one rank of the 8-GPU node updates (``--rank-of 8`` in bench_node.py: the
 local experts' fc1 / fc2 weights and biases as megatron-core's SequentialMLP names them, one tensor
@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megatron_kd.optim import Bf16Adam  # noqa: E402
+from megatron_kd.optim import Bf16Adam
 
 HIDDEN, FFN, VOCAB, QKV_OUT, PROJ_IN = 2880, 2880, 201088, (64 + 2 * 8) * 64, 64 * 64
 SIZES = {"20b": dict(layers=24, local_experts=4, experts=32), "120b": dict(layers=36, local_experts=16, experts=128)}

@@ -1,6 +1,6 @@
 """Attention over packed documents at 32K tokens on one GPU: forward + backward, masked vs not.
 
-    python benchmarks/bench_packing.py --out packing.json [--seq 32768] [--reps 10] [--commit HASH]
+    python -m benchmarks.bench_packing --out packing.json [--seq 32768] [--reps 10] [--commit HASH]
 
 GPT-OSS-20B's attention shape (64 query / 8 KV heads of dimension 64, bf16, one sample of --seq
 tokens laid out as CoreAttention receives it) for its two kinds of layer: window (128 keys) +
@@ -30,14 +30,9 @@ import argparse
 import datetime
 import json
 import random
-import sys
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 HEADS, GROUPS, HEAD_DIM, WINDOW = 64, 8, 64, (127, 0)
 EOD = 1
@@ -152,10 +147,9 @@ def rel(a, b) -> float:
 
 
 def measure(opts) -> list[dict]:
-    from cuda_timing import cuda_median_ms
-
-    from megatron_kd.models.documents import Documents
+    from benchmarks.common.cuda_timing import cuda_median_ms
     from megatron_kd.models.attention import _causal_block_mask
+    from megatron_kd.models.documents import Documents
 
     s = opts.seq
     g = torch.Generator(device="cuda").manual_seed(opts.seed)

@@ -17,16 +17,15 @@ on a GPU machine (README, "Tests").
 
 import os
 import random
-import sys
 import warnings
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # dist_utils and shared input builders
+# the shared helpers' asserts report their operands as the tests' own do (registered before any is imported)
+pytest.register_assert_rewrite("tests.fixtures")
 
 # megatron-core warns at import about Transformer Engine / Apex being absent; that is expected here.
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")

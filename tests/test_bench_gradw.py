@@ -5,11 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "bench_gradw.py"
+ROOT = Path(__file__).parents[1]
 
 
 def test_accumulating_gemm_matches_float64():
     # inherits TRITON_INTERPRET=1 from conftest on machines without a GPU
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_gradw", "--check"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("relative error") == 4, proc.stdout

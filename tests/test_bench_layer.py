@@ -11,14 +11,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 MOE_ACT = "--recompute-granularity selective --recompute-modules moe_act --moe-grouped-gemm"
+# ``python -m benchmarks.bench_layer`` from the repository root, with the GPU query answered
 RUN_ON_CPU = ("import runpy, sys, torch; torch.cuda.get_device_capability = lambda *a: (9, 0); "
-              "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+              "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 
 
 def test_bench_layer_tiny(tmp_path):
-    proc = subprocess.run([sys.executable, "-c", RUN_ON_CPU, str(ROOT / "benchmarks" / "bench_layer.py"), "--tiny",
+    proc = subprocess.run([sys.executable, "-c", RUN_ON_CPU, "benchmarks.bench_layer", "--tiny",
                            "--out", str(tmp_path), "--extra", MOE_ACT,
-                           "--megatron-ops", "rope,permutation"], capture_output=True, text=True, timeout=600)
+                           "--megatron-ops", "rope,permutation"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((tmp_path / "layer_profile.json").read_text())
     assert r["moe_act_recompute"] and r["recompute_granularity"] == "selective"

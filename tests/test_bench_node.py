@@ -1,18 +1,14 @@
-"""benchmarks/bench_node.py on CPU (its runs need GPUs): reading Megatron's log, one node's rank on one
-GPU, the two FLOP conventions, the memory layouts Megatron is given (and accepts), run labels, and the
-summary of an allocator snapshot."""
+"""benchmarks/bench_node.py's pieces (benchmarks/common/node.py) on CPU (its runs need GPUs): reading
+Megatron's log, one node's rank on one GPU, the two FLOP conventions, the memory layouts Megatron is
+given (and accepts), run labels, and the summary of an allocator snapshot."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).parent / "models"))
-from bench_node import (cache_name, data_flags, layout_flags, loss_flags, megatron_flops_per_step, model_flops_per_step,  # noqa: E402
-                        parse, parse_log, rank_note, run_label, slug, student_flags, summarize_memory_snapshot,
-                        train_flags, unsharded_optimizer_gib)
+from benchmarks.common.node import (cache_name, data_flags, layout_flags, loss_flags, megatron_flops_per_step,
+                                    model_flops_per_step, parse, parse_log, rank_note, run_label, slug, student_flags,
+                                    summarize_memory_snapshot, train_flags, unsharded_optimizer_gib)
 
 # megatron.training's log lines, as printed by a 3-iteration run on an H200 (bench_offload.py)
 LOG = """\
@@ -143,10 +139,10 @@ def test_megatron_accepts_the_layouts(tmp_path, monkeypatch):
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import validate_args
 
-    from dist_utils import megatron_cpu_patches
     from megatron_kd.megatron.flags import megatron_parser
     from megatron_kd.models.experts import recomputes_moe_act
-    from tiny_gpt_oss import CPU_FLAGS, TINY_ARCH
+    from tests.fixtures.dist_utils import megatron_cpu_patches
+    from tests.fixtures.tiny_gpt_oss import CPU_FLAGS, TINY_ARCH
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # --moe-grouped-gemm asks
     cases = {("block:1", "moe_act"): ("full", "block", True), ("selective", "moe_act"): ("selective", None, True),
@@ -232,8 +228,7 @@ def test_all_to_all_estimate_of_a_rank(tmp_path):
     """The bytes a real rank's expert all-to-alls send: 32,768 tokens x top-4 x 2,880 x 2 bytes, 7/8
     of them off the rank, 4 passes per layer (dispatch and combine, forward and backward) plus 2 per
     recomputed layer, 2 micro-batches."""
-    from bench_node import all_to_all_estimate
-
+    from benchmarks.common.node import all_to_all_estimate
     from megatron_kd.megatron.plan import plan_args
 
     per_pass = 32768 * 4 * 2880 * 2 * 7 / 8
@@ -251,8 +246,7 @@ def test_all_to_all_estimate_of_a_rank(tmp_path):
 
 
 def test_llama_size_defaults_and_flags(tmp_path):
-    from bench_node import TOPK, cache_build_args, online_command
-
+    from benchmarks.common.node import TOPK, cache_build_args, online_command
     from megatron_kd.megatron.flags import parse_flags
 
     opts = parse(["--size", "llama3-3b", "--losses", "fused,ce,dense,online", "--out", str(tmp_path)])
@@ -303,7 +297,7 @@ def test_plan_layout_is_the_long_context_recipe(tmp_path):
     """--recompute plan at 128K with bf16-sr-8bit takes what plan --search ranks first, the layout
     examples/llama/3b_128k.sh records; Megatron's CE fits no layout there; at 32K no recompute. On an
     80 GB card (--gpu-memory 80GB, the H100 the 64K / 128K rows ran on): every layer at 128K."""
-    from bench_node import SIZES, Recipe, planned_layout
+    from benchmarks.common.node import SIZES, Recipe, planned_layout
 
     def planned(seq, loss, *memory):
         opts = parse(["--size", "llama3-3b", "--seq", str(seq), "--recompute", "plan", "--optimizer", "bf16-sr-8bit",
@@ -324,7 +318,7 @@ def test_plan_layout_is_the_long_context_recipe(tmp_path):
 
 
 def test_llama_table_has_tokens_per_second_and_the_origins_peaks():
-    from bench_node import markdown
+    from benchmarks.common.node import markdown
 
     results = {"size": "llama3-3b", "layers": 28, "experts": None, "seq": 8192, "gpus": 1, "global_batch_size": 8,
                "model_tflop_per_step": 1540.3, "megatron_tflop_per_step": 1540.3,

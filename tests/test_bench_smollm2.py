@@ -9,12 +9,7 @@ import contextlib
 import io
 import json
 import shutil
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).parent / "models"))
-sys.path.insert(0, str(Path(__file__).parent / "data"))
 
 NO_CUDA = "needs CUDA GPUs and this machine has none"
 
@@ -36,7 +31,7 @@ def _megatron_line(argv: list[str]) -> str:
     """The last stderr line of one benchmark command run in this process (torchrun left out)."""
     from megatron.training import global_vars
 
-    import online_kd
+    from benchmarks.common import online_kd
     from megatron_kd.cli import main
     from megatron_kd.errors import UserError
 
@@ -49,9 +44,9 @@ def _megatron_line(argv: list[str]) -> str:
             if "megatron_kd.cli" in argv:
                 assert main(argv[argv.index("megatron_kd.cli") + 1:]) == 2
             else:
-                script = next(i for i, a in enumerate(argv) if a.endswith("online_kd.py"))
+                module = argv.index("benchmarks.common.online_kd")
                 try:
-                    online_kd.main(argv[script + 1:])
+                    online_kd.main(argv[module + 1:])
                 except UserError as e:
                     return str(e)
     finally:
@@ -60,9 +55,9 @@ def _megatron_line(argv: list[str]) -> str:
 
 
 def test_every_command_of_the_benchmark_passes_the_product_checks(tmp_path):
-    import bench_smollm2
-    from chat_inputs import CHATML_SPECIALS, CHATML_TEMPLATE, save_tokenizer
-    from tiny_llama import make_tiny
+    from benchmarks.common import smollm2
+    from tests.fixtures.chat_inputs import CHATML_SPECIALS, CHATML_TEMPLATE, save_tokenizer
+    from tests.fixtures.tiny_llama import make_tiny
 
     work = tmp_path / "work"
     teacher = make_tiny("llama", work / "teacher", vocab_size=128, tie_word_embeddings=True, eos_token_id=2,
@@ -72,7 +67,7 @@ def test_every_command_of_the_benchmark_passes_the_product_checks(tmp_path):
     save_tokenizer(teacher, CHATML_SPECIALS, eos="<|im_end|>", chat_template=CHATML_TEMPLATE)
     opts = argparse.Namespace(gguf="unused.gguf", corpora=str(_corpora(tmp_path / "corpora")), work=str(work),
                               preset="gpu", seeds="1234", jobs=2, dry_run=False)
-    bench = bench_smollm2.Bench(opts)
+    bench = smollm2.Bench(opts)
     (work / "done").mkdir(parents=True)
     (work / "done" / "gguf-to-hf").write_text("0\n")  # the teacher is there already: gguf-to-hf is skipped
     bench.prepare()  # data text and data chat run
@@ -82,7 +77,7 @@ def test_every_command_of_the_benchmark_passes_the_product_checks(tmp_path):
     jobs = []
     bench.run_jobs = lambda stage, batch: jobs.extend(batch)
     bench.teacher_pass()
-    for cut in bench_smollm2.CUTS:  # what prune writes, for the students' flags
+    for cut in smollm2.CUTS:  # what prune writes, for the students' flags
         shutil.copytree(teacher, bench.pruned(cut))
     for name in ("sampled64-1234", "top100-1234", "chat-sampled64-1234"):
         bench.cache(*name.rsplit("-", 1)).mkdir(parents=True)  # train checks that its --kd-cache exists

@@ -4,20 +4,17 @@ profiled pass on a tiny Megatron teacher (gloo)."""
 
 import contextlib
 import re
-import sys
 import types
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import bench_teacher_topk as bench  # noqa: E402
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
+from benchmarks.common.teacher_pass import answer_mask, time_teacher_pass
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
 
 
 def test_answer_mask_alternates_prompt_and_answer_spans_at_the_fraction():
     gen = torch.Generator().manual_seed(0)
-    masks = torch.stack([bench.answer_mask(8192, 0.3, 400, gen) for _ in range(16)])
+    masks = torch.stack([answer_mask(8192, 0.3, 400, gen) for _ in range(16)])
     assert masks.dtype == torch.int64 and set(masks.unique().tolist()) == {0, 1}
     assert abs(masks.float().mean().item() - 0.3) < 0.05
     assert (masks[:, 0] == 0).all()  # a conversation starts with its prompt
@@ -41,7 +38,7 @@ def _pass(rank, world, log):
                                      no_inline=True, pass_samples=[2, 4], answer_fraction=0.5, span_tokens=16,
                                      profile_pass=True)
         with open(log, "w") as out, contextlib.redirect_stdout(out):
-            bench.time_teacher_pass(model, args, 1000, logits_forward_ms=5.0)
+            time_teacher_pass(model, args, 1000, logits_forward_ms=5.0)
         parallel_state.destroy_model_parallel()
 
 

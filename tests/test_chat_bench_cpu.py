@@ -9,12 +9,9 @@ untrained start's); results.json holds every number the report shows.
 """
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_chat  # noqa: E402
-from test_fidelity_cpu import TINY  # noqa: E402
+from benchmarks.common import chat
+from tests.fixtures.tiny_fidelity import TINY
 
 # the toy preset over whole modules (TINY skips files over 1.5 kB); no held-out pass during the teacher's steps
 CHAT_TINY = {**TINY, "corpus_bytes": 40_000, "bpe_bytes": 40_000, "max_file_bytes": 250_000, "heldout_percent": 20,
@@ -25,23 +22,23 @@ METRICS = {"heldout_ce", "heldout_kl", "heldout_sequence_ce", "heldout_sequence_
 
 
 def test_conversations_hold_out_whole_modules_and_reason_in_the_last_turn():
-    train, heldout, counts = bench_chat.chat_corpus(20_000, 30, 250_000, seed=1)
+    train, heldout, counts = chat.chat_corpus(20_000, 30, 250_000, seed=1)
     answers = {split: {m["content"] for c in convs for m in c["messages"] if m["role"] == "assistant"}
                for split, convs in (("train", train), ("heldout", heldout))}
     assert answers["train"] and answers["heldout"] and not answers["train"] & answers["heldout"]
     for c in train + heldout:
         roles = [m["role"] for m in c["messages"]]
         turns = (len(roles) - 1) // 2
-        assert roles == ["system"] + ["user", "assistant"] * turns and 1 <= turns <= bench_chat.MAX_TURNS, roles
+        assert roles == ["system"] + ["user", "assistant"] * turns and 1 <= turns <= chat.MAX_TURNS, roles
         assert all("reasoning" not in m for m in c["messages"][:-1])  # harmony keeps the last turn's alone
     assert 0.2 < counts["train_analysis"] / counts["train_conversations"] < 0.5, counts
     assert counts["train_bytes"] >= 20_000 and counts["heldout_modules"] >= 1
     # the same modules, the same draws: the corpus repeats run to run
-    assert bench_chat.chat_corpus(20_000, 30, 250_000, seed=1)[0] == train
+    assert chat.chat_corpus(20_000, 30, 250_000, seed=1)[0] == train
 
 
 def test_answer_only_and_full_sequence_students(tmp_path):
-    results = bench_chat.run("cpu", tmp_path, "top8-renorm", log=lambda msg: None, **CHAT_TINY)
+    results = chat.run("cpu", tmp_path, "top8-renorm", log=lambda msg: None, **CHAT_TINY)
     assert json.loads((tmp_path / "results.json").read_text()) == json.loads(json.dumps(results))
     assert {"corpus", "teacher", "start", "caches", "variants", "answer_fraction", "masked_bytes_ratio",
             "masked_entry_bytes_ratio", "stages",

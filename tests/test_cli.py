@@ -28,9 +28,9 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
     (["train", *MODEL, "--kd-student-hf", "/nonexistent"], "--kd-student-hf /nonexistent: not a directory"),
     (["cache", "build", *MODEL, "--kd-cache-mode", "topk", "--kd-topk", "0"], "--kd-topk must be an integer >= 1, got 0"),
     (["cache", "build", *MODEL, "--kd-topk", "100"], "--kd-topk 100 is for --kd-cache-mode topk (this run's mode is "
-                                                     "sampled, the default: --kd-samples sets its draws, 64 unless given)"),
+                                                     "sampled, the default: --kd-draws sets its draws, 64 unless given)"),
     (["cache", "build", *MODEL, "--kd-capture-temperature", "inf"], "--kd-capture-temperature must be a finite number > 0"),
-    (["cache", "build", *MODEL, "--kd-cache-mode", "sampled", "--kd-samples", "0"], "--kd-samples must be an integer >= 1"),
+    (["cache", "build", *MODEL, "--kd-cache-mode", "sampled", "--kd-draws", "0"], "--kd-draws must be an integer >= 1"),
     (["cache", "build", *MODEL, "--kd-cache-mode", "topk", "--kd-cache-codec", "sampled-counts-v1"],
      "--kd-cache-codec sampled-counts-v1 stores draw counts: it needs --kd-cache-mode sampled"),
     (["cache", "build", *MODEL, "--kd-cache-codec", "topk-v9"], "--kd-cache-codec: invalid choice: 'topk-v9'"),

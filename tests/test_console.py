@@ -18,14 +18,11 @@ import re
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
-from tiny_gpt_oss import recipe_flags  # noqa: E402
-
-from megatron_kd.console import KNOWN_LOG_RECORDS, KNOWN_WARNINGS, filter_third_party_notices  # noqa: E402
+from megatron_kd.console import KNOWN_LOG_RECORDS, KNOWN_WARNINGS, filter_third_party_notices
+from tests.fixtures.tiny_gpt_oss import recipe_flags
 
 # as examples/gpt_oss/distill.sh runs it where Transformer Engine is not installed
 PLAN = ["plan", *recipe_flags("20b"), "--transformer-impl", "local", "--vocab-size", "201088", "--bf16",
@@ -46,7 +43,7 @@ def _known(text: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from megatron_kd.cache import CacheWriter
-    from kd_inputs import teacher_topk
+    from tests.fixtures.kd_inputs import teacher_topk
 
     cache = tmp_path_factory.mktemp("console") / "cache"
     with CacheWriter(cache, vocab_size=64, topk=4, seq_length=8, num_samples=2,

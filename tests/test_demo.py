@@ -20,10 +20,10 @@ from dataclasses import fields
 
 import pytest
 
-from kd_inputs import teacher_topk
 from megatron_kd.cache import CacheBusyError, CacheWriter
 from megatron_kd.demo import DemoConfig, check_memory, estimate_peak_bytes, open_cache_writer, run_demo
 from megatron_kd.errors import FlagError
+from tests.fixtures.kd_inputs import teacher_topk
 
 # a few seconds per run on 2 CPU cores: a few steps of one-layer models. Evaluation reads the whole
 # held-out split: 545 KB is 24 files, whose last (5% of the files, by name) is 3,423 tokens

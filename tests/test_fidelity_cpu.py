@@ -1,4 +1,5 @@
-"""The distillation-fidelity benchmark at CPU size, end to end (``benchmarks/bench_fidelity.py --size cpu``).
+"""The distillation-fidelity benchmark at CPU size, end to end (``python -m benchmarks.bench_fidelity --size cpu``:
+``benchmarks.common.fidelity.run``).
 
 A byte-level BPE trained on real text (the installed Python's and packages' files), a megatron-core
 teacher, its top-32 cache, and one student architecture trained three ways for the same steps from
@@ -11,13 +12,11 @@ finished students and train only the last one.
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_fidelity  # noqa: E402
+from benchmarks.common import fidelity
+from tests.fixtures.tiny_fidelity import TINY
 
 KD_VARIANTS = ("online", "top32-ghost")
 
@@ -33,12 +32,12 @@ def test_distilled_students_beat_cross_entropy_on_held_out_text(tmp_path):
 
     variants = ["ce", *KD_VARIANTS]
     try:
-        bench_fidelity.run("cpu", tmp_path, variants, log=stop_after_online)
+        fidelity.run("cpu", tmp_path, variants, log=stop_after_online)
         raise AssertionError("the run was to be stopped after the online student")
     except Stop:
         pass
     logs = []
-    results = bench_fidelity.run("cpu", tmp_path, variants, log=logs.append, resume=True)
+    results = fidelity.run("cpu", tmp_path, variants, log=logs.append, resume=True)
     log = "\n".join(logs)
     assert "resuming" in log and "teacher: loaded" in log, log
     assert "ce: held-out" not in log and "online: held-out" not in log and "top32-ghost: held-out" in log, log
@@ -50,16 +49,9 @@ def test_distilled_students_beat_cross_entropy_on_held_out_text(tmp_path):
         assert heldout[name] < heldout["ce"], heldout
 
 
-# the CPU preset shrunk to seconds: short documents (at most 1.5 kB), so many samples hold a boundary
-TINY = dict(corpus_bytes=60_000, max_file_bytes=1_500, heldout_percent=10, bpe_bytes=60_000, vocab=300,
-            seq_length=64, teacher=bench_fidelity.Arch(2, 32, 2), teacher_steps=8, teacher_micro_batch_size=8,
-            teacher_eval_interval=4, student=bench_fidelity.Arch(1, 32, 2), student_steps=4, micro_batch_size=4,
-            eval_samples=16, eval_batch_size=16, calibration_samples=4, log_interval=2)
-
-
 def test_document_windows_score_every_prediction_once_from_its_own_document():
     docs = [list(range(10, 10 + n)) for n in (2, 9, 10, 11, 30)]  # predictions: n - 1 each
-    rows = bench_fidelity.document_windows(docs, length=8, stride=3, pad=0)
+    rows = fidelity.document_windows(docs, length=8, stride=3, pad=0)
     scored = [(int(t), int(l)) for r in rows for t, l, m in zip(r["tokens"], r["labels"], r["loss_mask"]) if m]
     # each (input, label) pair of each document exactly once: ids are consecutive within a document
     expected = [(doc[i], doc[i + 1]) for doc in docs for i in range(len(doc) - 1)]
@@ -74,8 +66,8 @@ def test_document_windows_score_every_prediction_once_from_its_own_document():
 
 def test_packing_ablation_reports_both_settings_on_whole_documents(tmp_path):
     logs = []
-    results = bench_fidelity.run("cpu", tmp_path, ["ce", "online", "top8-renorm"], log=logs.append,
-                                 packing_ablation=True, **TINY)
+    results = fidelity.run("cpu", tmp_path, ["ce", "online", "top8-renorm"], log=logs.append,
+                           packing_ablation=True, **TINY)
     settings = results["settings"]
     assert list(settings) == ["none", "documents+positions"] == results["packing_ablation"]
     apart, across = settings["documents+positions"], settings["none"]
@@ -97,7 +89,7 @@ def test_packing_ablation_reports_both_settings_on_whole_documents(tmp_path):
 
 
 def test_sampled_variants_take_the_renorm_or_the_ghost_tail():
-    from bench_fidelity import parse_variant
+    from benchmarks.common.fidelity import parse_variant
 
     assert (parse_variant("sampled64").tail, parse_variant("sampled64").k) == ("renorm", 64)
     ghost = parse_variant("sampled64-ghost-reverse")

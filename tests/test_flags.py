@@ -23,29 +23,27 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "models"))
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from tiny_gpt_oss import make_tiny_gpt_oss, tiny_flags  # noqa: E402
-
-from megatron_kd.cli import main  # noqa: E402
-from megatron_kd.errors import FlagError  # noqa: E402
-from megatron_kd.megatron.args import NUMERIC_FLAG_RULES, KDConfig, _check_rules_cover, add_kd_args  # noqa: E402
-from megatron_kd.megatron.hf_check import HFDirError  # noqa: E402
-from megatron_kd.megatron.flags import check_megatron_flags  # noqa: E402
+from megatron_kd.cli import main
+from megatron_kd.errors import FlagError
+from megatron_kd.megatron.args import NUMERIC_FLAG_RULES, KDConfig, _check_rules_cover, add_kd_args
+from megatron_kd.megatron.flags import check_megatron_flags
+from megatron_kd.megatron.hf_check import HFDirError
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
+from tests.fixtures.tiny_gpt_oss import make_tiny_gpt_oss, tiny_flags
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
          "--vocab-size", "100", "--train-iters", "1", "--global-batch-size", "2"]
 VALUES = ("nan", "inf", "-inf", "0", "-1")
-# flags a value needs beside it to be meaningful (--kd-samples counts draws of sampled mode, --kd-topk
+# flags a value needs beside it to be meaningful (--kd-draws counts draws of sampled mode, --kd-topk
 # entries of top-K mode)
-CONTEXT = {"kd_samples": ["--kd-cache-mode", "sampled"], "kd_topk": ["--kd-cache-mode", "topk"]}
+CONTEXT = {"kd_draws": ["--kd-cache-mode", "sampled"], "kd_topk": ["--kd-cache-mode", "topk"]}
 NO_CUDA = "needs CUDA GPUs and this machine has none"
 
 
 def _numeric_actions():
-    group = add_kd_args(argparse.ArgumentParser())._action_groups[-1]
-    return [a for a in group._group_actions if a.type in (int, float)]
+    parser = add_kd_args(argparse.ArgumentParser())
+    return [a for a in parser._actions if a.dest.startswith("kd_") and a.type in (int, float)]
 
 
 def _one_line(capsys) -> str:
@@ -107,8 +105,8 @@ def test_divergence_flags(capsys):
     assert check_megatron_flags([*MODEL, "--kd-divergence", "jsd", "--kd-jsd-beta", "0.25"]).kd_jsd_beta == 0.25
     assert main(["train", *MODEL, "--kd-divergence", "reverse", "--kd-tail", "none"]) == 2
     assert "--kd-divergence reverse needs --kd-tail renorm or ghost" in _one_line(capsys)
-    assert main(["train", *MODEL, "--kd-cache-mode", "topk", "--kd-samples", "8"]) == 2
-    assert "--kd-samples 8 is for --kd-cache-mode sampled" in _one_line(capsys)
+    assert main(["train", *MODEL, "--kd-cache-mode", "topk", "--kd-draws", "8"]) == 2
+    assert "--kd-draws 8 is for --kd-cache-mode sampled" in _one_line(capsys)
 
 
 def test_cache_defaults_are_sampled_64(capsys):
@@ -118,7 +116,7 @@ def test_cache_defaults_are_sampled_64(capsys):
 
     args = check_megatron_flags(MODEL)
     assert (args.kd_cache_mode, cache_entries(args)) == ("sampled", 64)
-    assert cache_entries(check_megatron_flags([*MODEL, "--kd-samples", "128"])) == 128
+    assert cache_entries(check_megatron_flags([*MODEL, "--kd-draws", "128"])) == 128
     assert cache_entries(check_megatron_flags([*MODEL, "--kd-cache-mode", "topk"])) == 100
     assert cache_entries(check_megatron_flags([*MODEL, "--kd-cache-mode", "topk", "--kd-topk", "32"])) == 32
     assert main(["cache", "build", *MODEL, "--kd-cache", "/tmp/unused", "--kd-topk", "32"]) == 2

@@ -7,20 +7,16 @@ gap closed is reported from the same start.
 """
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_fidelity  # noqa: E402
-import bench_heal  # noqa: E402
-from test_fidelity_cpu import TINY  # noqa: E402
+from benchmarks.common import fidelity, heal
+from tests.fixtures.tiny_fidelity import TINY
 
 
 def test_heal_from_a_cut_teacher(tmp_path):
-    preset, variants, device, autocast, out = bench_fidelity._setup(
+    preset, variants, device, autocast, out = fidelity._setup(
         "cpu", tmp_path, ["ce", "top8-renorm", "online"], "auto", TINY)
-    bench_fidelity._start_process(preset, device)
-    bench = bench_heal.HealBench(preset, out, device, autocast, lambda msg: None)
+    fidelity._start_process(preset, device)
+    bench = heal.HealBench(preset, out, device, autocast, lambda msg: None)
     results = bench.heal({"none": 1.0, "heavy": 0.5}, variants, calib_samples=8)
     teacher = results["teacher"]["heldout_ce"]
     whole, heavy = results["levels"]["none"], results["levels"]["heavy"]
@@ -32,7 +28,7 @@ def test_heal_from_a_cut_teacher(tmp_path):
     for name in ("ce", "top8-renorm", "online"):
         assert math.isfinite(heavy["variants"][name]["gap_closed"])
     assert set(results["goal"]["ratios"]["heavy"]) == {"top8-renorm"}
-    md = bench_heal.markdown({**results, "preset_name": "tiny"})
+    md = heal.markdown({**results, "preset_name": "tiny"})
     assert "| pruned, before healing |" in md and "| top8-renorm |" in md
 
 
@@ -40,10 +36,10 @@ def test_resume_keeps_what_a_stopped_run_finished(tmp_path):
     """A run stopped after its first level (results.partial.json and OUT/work kept) resumes where it
     stopped: the teacher loads, the finished level's numbers stay as they were, only the rest trains."""
     def bench(log):
-        preset, variants, device, autocast, out = bench_fidelity._setup(
+        preset, variants, device, autocast, out = fidelity._setup(
             "cpu", tmp_path, ["ce", "top8-renorm"], "auto", TINY)
-        bench_fidelity._start_process(preset, device)
-        return bench_heal.HealBench(preset, out, device, autocast, log), variants
+        fidelity._start_process(preset, device)
+        return heal.HealBench(preset, out, device, autocast, log), variants
 
     first, variants = bench(lambda msg: None)
     light = first.heal({"light": 0.5}, variants, calib_samples=8)["levels"]["light"]

@@ -1,22 +1,16 @@
-"""benchmarks/heal_eval.py, the real-model benchmark's scoring: its CE, KL(teacher || student) and top-1
+"""benchmarks/common/heal_eval.py, the real-model benchmark's scoring: its CE, KL(teacher || student) and top-1
 agreement against torch's own functions on masked windows, the out-of-domain windows as slices of
 the tokenized text, and the held-out windows drawn from the validation split's documents only."""
 
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).parent / "models"))
-sys.path.insert(0, str(Path(__file__).parent / "data"))
-
-from heal_eval import Windows, megatron_windows, score, text_windows  # noqa: E402
+from benchmarks.common.heal_eval import Windows, megatron_windows, score, text_windows
 
 
 def _tiny_models(tmp_path, seed):
-    from tiny_llama import make_tiny
+    from tests.fixtures.tiny_llama import make_tiny
     from transformers import AutoModelForCausalLM
 
     dirs = [make_tiny("llama", tmp_path / name, seed=seed + i) for i, name in enumerate(("teacher", "student"))]
@@ -47,7 +41,7 @@ def test_scores_are_the_masked_means_of_torch_functions(tmp_path, seed):
 def test_text_windows_are_slices_of_the_documents_with_eod_between(tmp_path, seed):
     import random
 
-    from chat_inputs import CHATML_SPECIALS, save_tokenizer
+    from tests.fixtures.chat_inputs import CHATML_SPECIALS, save_tokenizer
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(save_tokenizer(tmp_path / "tok", CHATML_SPECIALS, eos="<|im_end|>"))
@@ -68,9 +62,8 @@ def test_text_windows_are_slices_of_the_documents_with_eod_between(tmp_path, see
 
 
 def test_held_out_windows_come_from_the_validation_documents_only(tmp_path):
-    from chat_inputs import CHATML_SPECIALS, save_tokenizer
-
     from megatron_kd.megatron.data import write_indexed_dataset
+    from tests.fixtures.chat_inputs import CHATML_SPECIALS, save_tokenizer
 
     tok_dir = save_tokenizer(tmp_path / "tok", CHATML_SPECIALS, eos="<|im_end|>")
     # document d holds only the token 10 + d (and its end): a window's tokens name the documents it read

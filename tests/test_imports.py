@@ -3,7 +3,8 @@
 Every ``import`` in ``megatron_kd/`` counts, also those inside functions (a lazy import is still
 a dependency; it only hides a circle until the day it runs). The layers, lowest first:
 
-    errors, version, distributed      what everything may use
+    errors, version, distributed,     what everything may use
+    options
     ops, optim                        loss math and kernels, the optimizer
     cache                             the Zarr store and its codecs
     models                            GPT-OSS spec, attention, experts, documents, HF import
@@ -27,7 +28,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "megatron_kd"
-LAYERS = [("errors", "version", "distributed"), ("ops", "optim"), ("cache",), ("models",), ("console",),
+LAYERS = [("errors", "version", "distributed", "options"), ("ops", "optim"), ("cache",), ("models",), ("console",),
           ("megatron",), ("data",), ("teacher",), ("prune",), ("demo",), ("commands",), ("cli", "train")]
 # the command line: what no library imports
 ENTRY_UNITS = ("commands", "cli", "train")

@@ -1,16 +1,10 @@
-"""benchmarks/online_kd.py on CPU (bench_node's ``--losses online``): the teacher built from its own
+"""benchmarks/common/online_kd.py on CPU (bench_node's ``--losses online``): the teacher built from its own
 flags over the student's arguments, frozen, and the step's loss KL(teacher || student) over the full
 vocabulary plus the weighted cross-entropy, with gradients into the student only."""
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).parent / "models"))
-
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
 
 # the Llama recipes shrunk: a 2-layer student of width 64 (3b.sh's tied embeddings) and a 3-layer
 # teacher of width 96 (8b.sh's untied ones); later flags win, as over the recipes
@@ -23,14 +17,14 @@ NO_JIT = ["--no-bias-dropout-fusion", "--no-bias-swiglu-fusion"]
 
 
 def _worker(rank, world_size, seed):
-    from bench_node import SIZES
     from megatron.core import parallel_state
-    from online_kd import OnlineKDForwardStep, build_teacher, teacher_args
-    from tiny_gpt_oss import CPU_FLAGS, LOCAL_IMPL
 
+    from benchmarks.common.node import SIZES
+    from benchmarks.common.online_kd import OnlineKDForwardStep, build_teacher, teacher_args
     from megatron_kd.megatron.args import KDConfig
     from megatron_kd.megatron.flags import parse_megatron_args
     from megatron_kd.megatron.run import model_provider
+    from tests.fixtures.tiny_gpt_oss import CPU_FLAGS, LOCAL_IMPL
 
     size = SIZES["llama3-3b"]
     with megatron_cpu_patches():
@@ -78,15 +72,15 @@ def test_online_kd_step_is_full_vocabulary_kl_against_a_frozen_teacher(seed):
 
 
 def _hf_teacher_worker(rank, world_size, seed, hf_dir):
-    from hf_equality import megatron_logits, reference_logits
-    from kd_inputs import rel_err
     from megatron.core import parallel_state
-    from online_kd import build_teacher, teacher_args
-    from tiny_llama import SEQ, tiny_flags
     from transformers import AutoConfig
 
+    from benchmarks.common.online_kd import build_teacher, teacher_args
     from megatron_kd.megatron.flags import parse_megatron_args
     from megatron_kd.models.llama import megatron_flags
+    from tests.fixtures.hf_equality import megatron_logits, reference_logits
+    from tests.fixtures.kd_inputs import rel_err
+    from tests.fixtures.tiny_llama import SEQ, tiny_flags
 
     with megatron_cpu_patches():
         args = parse_megatron_args(tiny_flags(hf_dir))  # the student starts from the same directory
@@ -103,7 +97,7 @@ def _hf_teacher_worker(rank, world_size, seed, hf_dir):
 
 
 def test_online_teacher_from_a_hugging_face_directory_computes_its_logits(tmp_path, seed):
-    from tiny_llama import make_tiny
+    from tests.fixtures.tiny_llama import make_tiny
 
     hf_dir = make_tiny("llama", tmp_path / "teacher", seed=seed)
     spawn(_hf_teacher_worker, seed, str(hf_dir), world_size=1)

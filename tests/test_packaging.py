@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from dist_utils import free_port
+from tests.fixtures.dist_utils import free_port
 
 ROOT = Path(__file__).parents[1]
 

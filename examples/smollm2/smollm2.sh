@@ -1,4 +1,4 @@
-# SmolLM2-135M-Instruct healed after a cut, on one GPU (sourced by heal.sh and benchmarks/bench_smollm2.py).
+# SmolLM2-135M-Instruct healed after a cut, on one GPU (sourced by heal.sh and benchmarks/common/smollm2.py).
 #
 # SMOL_RUN: the run's data and shape, the same for cache build, prune, train and export-hf (the cache is
 # keyed by the samples these flags give, so one cache serves every cut): 200 steps of 32 x 1,024

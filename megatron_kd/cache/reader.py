@@ -26,17 +26,8 @@ from megatron_kd.cache.binding import PartitionBindings
 from megatron_kd.cache.codec import CacheError
 from megatron_kd.cache.encodings import RowDecoder
 from megatron_kd.cache.meta import CacheMeta, check_expected
-from megatron_kd.cache.store import (
-    ARRAYS,
-    open_partition,
-    open_root,
-    partition_attrs,
-    partition_name,
-    read_done,
-    read_root_meta,
-    read_rows,
-    strict,
-)
+from megatron_kd.cache.store import (ARRAYS, open_partition, open_root, partition_attrs, partition_name, read_done,
+                                     read_root_meta, read_rows, strict)
 
 
 @dataclass

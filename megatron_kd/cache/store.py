@@ -101,16 +101,21 @@ def stat_regular(file: Path, limit: int) -> os.stat_result | None:
     return st
 
 
-def read_regular(file: Path, limit: int) -> bytes:
-    """The bytes of ``file``, a regular file of at most ``limit`` bytes; CacheError naming it when it
-    is missing, something else (FIFO, device, directory) or larger. Opened non-blocking, so a FIFO
-    is refused at once instead of waiting for a writer; the type is checked on the open descriptor."""
+def _open_nonblocking(file: Path) -> int:
+    """A read descriptor of ``file``; CacheError naming it when it is missing or unreadable."""
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except (FileNotFoundError, NotADirectoryError):
         raise CacheError(f"{file}: missing") from None
     except OSError as e:
         raise CacheError(f"{file}: unreadable ({e.strerror})") from None
+
+
+def read_regular(file: Path, limit: int) -> bytes:
+    """The bytes of ``file``, a regular file of at most ``limit`` bytes; CacheError naming it when it
+    is missing, something else (FIFO, device, directory) or larger. Opened non-blocking, so a FIFO
+    is refused at once instead of waiting for a writer; the type is checked on the open descriptor."""
+    fd = _open_nonblocking(file)
     with os.fdopen(fd, "rb") as f:
         _check_regular(file, os.fstat(fd), limit)
         try:
@@ -126,12 +131,7 @@ def checksum_regular(file: Path, limit: int) -> tuple[int, str]:
     """(size, CRC32C as 8 hex digits) of ``file``, checked as in ``read_regular``. Streamed through a
     small buffer: hashing a shard costs its CRC32C (~6 GB/s) and one kernel copy into a cache-resident
     buffer, not a copy of the whole file into fresh memory (that costs five times as much)."""
-    try:
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        raise CacheError(f"{file}: missing") from None
-    except OSError as e:
-        raise CacheError(f"{file}: unreadable ({e.strerror})") from None
+    fd = _open_nonblocking(file)
     try:
         _check_regular(file, os.fstat(fd), limit)
         buf = np.empty(1 << 20, np.uint8)

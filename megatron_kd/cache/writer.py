@@ -45,22 +45,9 @@ from megatron_kd.cache.codec import CacheBusyError, CacheError, CacheWriteError
 from megatron_kd.cache.encodings import (CODECS, SAMPLED_COUNTS_V1, PendingRows, array_specs, default_codec, encode_rows,
                                          encoding_field)
 from megatron_kd.cache.meta import ATTR_KEY, METADATA_KEYS, MODES, CacheMeta
-from megatron_kd.cache.store import (
-    ARRAYS,
-    DONE,
-    LOCK_FILE,
-    block_file,
-    create_partition,
-    default_rows_per_shard,
-    open_partition,
-    open_root,
-    partition_attrs,
-    partition_name,
-    read_done,
-    read_root_meta,
-    read_rows,
-    strict,
-)
+from megatron_kd.cache.store import (ARRAYS, DONE, LOCK_FILE, block_file, create_partition, default_rows_per_shard,
+                                     open_partition, open_root, partition_attrs, partition_name, read_done,
+                                     read_root_meta, read_rows, strict)
 
 
 # zarr's temporary file names (<target>.<uuid hex>.partial) and the binding records' (<target>.partial)
@@ -191,7 +178,7 @@ class CacheWriter:
         if codec is None:
             codec = stored.codec if stored is not None else default_codec(mode)
         if mode == "sampled" and not metadata.get("sampled_draws"):
-            # a teacher pass draws K per token (CaptureConfig.topk); a store of before may hold 0
+            # a teacher pass draws K per token (CaptureConfig.draws); a store of before may hold 0
             metadata["sampled_draws"] = stored.sampled_draws if stored is not None else topk
         if codec not in CODECS:
             raise ValueError(f"codec must be one of {CODECS}, got {codec!r}")

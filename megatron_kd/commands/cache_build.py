@@ -33,18 +33,20 @@ def run(checked) -> int:
     from megatron.training import print_rank_0
 
     from megatron_kd.console import code_path_line, say
+    from megatron_kd.megatron.args import TeacherPassConfig
     from megatron_kd.teacher.build import build_cache
 
     say(code_path_line(checked.flags.transformer_impl))
     args = checked.megatron_args()
-    done = build_cache(args)
+    config = TeacherPassConfig.from_args(args)
+    done = build_cache(args, config)
     # a resumed pass computes only what was missing: say so, and size the store by what it holds
     total, samples = done["total"], done["samples"]
     already = f" ({total - samples} were already in the cache)" if samples < total else ""
     this_pass = f"mean teacher mass {done['mass']:.4f} over them" if done["tokens"] else "nothing left to compute"
     if done["loss_mask"]:
         this_pass += f"; entries only where the loss mask {done['loss_mask']['mask']!r} keeps the loss"
-    print_rank_0(f"teacher cache {args.kd_cache}: {total} samples, {done['bytes_per_token']:.1f} bytes/token, mode "
+    print_rank_0(f"teacher cache {config.cache}: {total} samples, {done['bytes_per_token']:.1f} bytes/token, mode "
                  f"{done['mode']}, K={done['k']}; this pass computed {samples} samples, {done['tokens']:,} tokens"
                  f"{already}, {this_pass}")
     return 0

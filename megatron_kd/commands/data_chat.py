@@ -17,15 +17,12 @@ HELP = ("OpenAI-style conversations (JSONL) -> a Megatron indexed dataset in har
         "template) with a loss mask on the assistant's tokens; --help lists the flags.")
 
 
-def _comma_list(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
-
-
 def chat_parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import _add_tokenizer_args
 
     from megatron_kd.data.chat import RENDERERS
-    from megatron_kd.data.conversation import CHANNELS, HEADER_CHOICES, ROLES
+    from megatron_kd.data.conversation import MaskSettings
+    from megatron_kd.options import add_option_group
 
     parser = FlagParser(prog="megatron-kd data chat",
                         description="OpenAI-style conversations (JSONL) -> a Megatron indexed dataset in GPT-OSS's "
@@ -36,24 +33,10 @@ def chat_parser() -> argparse.ArgumentParser:
     group.add_argument("--output", required=True, metavar="PREFIX",
                        help="Writes PREFIX.bin/.idx (tokens), PREFIX_loss_mask.bin/.idx (one byte per token) and "
                             "PREFIX_chat.json (mask settings and fingerprint).")
-    group.add_argument("--seq-length", type=int, default=None, metavar="N",
-                       help="Longest conversation in tokens (the run's --seq-length); default: any length.")
-    group.add_argument("--overlong", choices=("truncate", "refuse"), default="refuse",
-                       help="A conversation longer than --seq-length: refuse it (default, one line naming it) or "
-                            "keep its first N tokens.")
-    group.add_argument("--loss-roles", type=_comma_list, default=("assistant",), metavar="ROLES",
-                       help=f"Roles whose messages carry loss, comma-separated, of {', '.join(ROLES)} "
-                            f"(default: assistant).")
-    group.add_argument("--loss-channels", type=_comma_list, default=CHANNELS, metavar="CHANNELS",
-                       help=f"Harmony channels of the assistant's messages that carry loss, of {', '.join(CHANNELS)} "
-                            f"(default: all three; commentary holds tool calls).")
-    group.add_argument("--loss-header", choices=HEADER_CHOICES, default="generated",
-                       help="generated (default): also the header tokens the model writes itself (channel, "
-                            "recipient, <|message|>); none: content and end token only. End tokens "
-                            "(<|end|>, <|return|>, <|call|>) always carry loss.")
     group.add_argument("--renderer", choices=RENDERERS, default="auto",
                        help="harmony (GPT-OSS), template (the tokenizer's chat template), or auto (default): "
                             "harmony when the tokenizer has its special tokens.")
+    add_option_group(parser, MaskSettings)
     return _add_tokenizer_args(parser)
 
 
@@ -64,9 +47,9 @@ def check(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     from megatron_kd.data.chat import build_chat_dataset, build_tokenizer
     from megatron_kd.data.conversation import MaskSettings
+    from megatron_kd.options import from_args
 
-    settings = MaskSettings(loss_roles=args.loss_roles, loss_channels=args.loss_channels,
-                            loss_header=args.loss_header, seq_length=args.seq_length, overlong=args.overlong)
+    settings = from_args(MaskSettings, args)
     summary = build_chat_dataset(args.input, args.output, build_tokenizer(args), settings, renderer=args.renderer)
     print(f"{args.output}: {summary['documents']} conversations, {summary['tokens']:,} tokens, "
           f"{summary['loss_tokens']:,} carry loss ({summary['loss_tokens'] / summary['tokens']:.1%}; "

@@ -14,9 +14,10 @@ which the command prints.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from megatron_kd.errors import FlagError, FlagParser
+from megatron_kd.options import Range, option
 
 MEGATRON = True
 HELP = ("A student cut from a Hugging Face teacher by importance from a calibration pass (GPUs; torchrun): "
@@ -26,49 +27,42 @@ DESCRIPTION = ("A student cut from a Hugging Face teacher (experts, layers, FFN 
                "DIR, the --prune-* targets and --out DIR; launch with torchrun.")
 # the teacher is loaded for its weights only
 ARGS_DEFAULTS = {"no_load_optim": True, "no_load_rng": True}
-TARGET_FLAGS = ("prune_num_layers", "prune_num_experts", "prune_ffn_hidden_size", "prune_num_attention_heads",
-                "prune_moe_ffn_hidden_size", "prune_hidden_size")
+PREFIX = "prune"
+
+
+@dataclass
+class Calibration:
+    """calibration (megatron-kd prune)"""
+
+    calib_samples: int = option(128, metavar="N", rule=Range(1, integer=True))
+    """Training samples of the calibration pass."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    group = parser.add_argument_group("pruning (megatron-kd prune)")
+    from megatron_kd.options import add_option_group
+    from megatron_kd.prune import PruneTargets
+
+    group = add_option_group(parser, PruneTargets, prefix=PREFIX)
     group.add_argument("--out", metavar="DIR", help="Where to write the pruned student (Hugging Face directory).")
-    group.add_argument("--prune-num-layers", type=int, default=None, metavar="N",
-                       help="Layers the student keeps: the teacher's most influential ones (GPT-OSS: whole "
-                            "window / full-attention pairs). Default: all.")
-    group.add_argument("--prune-num-experts", type=int, default=None, metavar="N",
-                       help="Experts each MoE layer keeps: those with the most routing mass. Default: all.")
-    group.add_argument("--prune-ffn-hidden-size", type=int, default=None, metavar="N",
-                       help="FFN channels each dense MLP layer keeps (Llama, Qwen3): those with the largest "
-                            "activation norms. Default: all.")
-    group.add_argument("--prune-num-attention-heads", type=int, default=None, metavar="N",
-                       help="Attention heads each layer keeps: in every query group the same number, those "
-                            "with the largest context norms (N a multiple of the query groups). Default: all.")
-    group.add_argument("--prune-moe-ffn-hidden-size", type=int, default=None, metavar="N",
-                       help="FFN channels each expert keeps (GPT-OSS; Megatron's --moe-ffn-hidden-size): those "
-                            "with the largest activation norms over the tokens routed to it. MXFP4 experts are "
-                            "then written dequantized (bf16). Default: all.")
-    group.add_argument("--prune-hidden-size", type=int, default=None, metavar="N",
-                       help="Hidden channels the model keeps, the same in every layer, the embedding and the "
-                            "output layer: those with the largest norm outputs (N a multiple of the tensor-"
-                            "parallel size; heads keep their width: the student adds --kv-channels; MXFP4 "
-                            "experts are written dequantized). Default: all.")
-    group.add_argument("--prune-calib-samples", type=int, default=128, metavar="N",
-                       help="Training samples of the calibration pass (default 128).")
+    add_option_group(parser, Calibration, prefix=PREFIX)
     return parser
 
 
 def prune_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """prune's own flags (one ``FlagError`` each) and the Megatron-LM flags."""
+    from megatron_kd.options import option_rules
+    from megatron_kd.prune import PruneTargets
+
     opts, rest = add_arguments(FlagParser(prog="megatron-kd prune", add_help=False)).parse_known_args(argv)
     if not opts.out:
         raise FlagError("prune needs --out DIR: where to write the pruned student")
-    for flag in (*TARGET_FLAGS, "prune_calib_samples"):
-        value = getattr(opts, flag)
+    for dest in (*option_rules(PruneTargets, prefix=PREFIX), *option_rules(Calibration, prefix=PREFIX)):
+        value = getattr(opts, dest)
         if value is not None and value < 1:
-            raise FlagError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    if all(getattr(opts, f) is None for f in TARGET_FLAGS):
-        raise FlagError("prune needs a target: " + ", ".join("--" + f.replace("_", "-") for f in TARGET_FLAGS))
+            raise FlagError(f"--{dest.replace('_', '-')} must be >= 1, got {value}")
+    targets = [f"{PREFIX}_{f.name}" for f in fields(PruneTargets)]
+    if all(getattr(opts, dest) is None for dest in targets):
+        raise FlagError("prune needs a target: " + ", ".join("--" + f.replace("_", "-") for f in targets))
     return opts, rest
 
 
@@ -101,6 +95,7 @@ def _needs(flags) -> None:
 
 def check(argv: list[str]) -> Pruning:
     from megatron_kd.megatron.flags import check_megatron_run
+    from megatron_kd.options import from_args
     from megatron_kd.prune import PruneTargets, check_targets
     from megatron_kd.prune.run import layer_group_size, teacher_sizes
 
@@ -109,10 +104,7 @@ def check(argv: list[str]) -> Pruning:
     if run.args.pipeline_model_parallel_size > 1:
         raise FlagError("prune runs the teacher with --pipeline-model-parallel-size 1 (use tensor / expert "
                         "parallelism to fit it)")
-    targets = PruneTargets(num_layers=opts.prune_num_layers, num_experts=opts.prune_num_experts,
-                           ffn_hidden_size=opts.prune_ffn_hidden_size,
-                           num_attention_heads=opts.prune_num_attention_heads,
-                           moe_ffn_hidden_size=opts.prune_moe_ffn_hidden_size, hidden_size=opts.prune_hidden_size)
+    targets = from_args(PruneTargets, opts, prefix=PREFIX)
     check_targets(targets, group_size=layer_group_size(run.args), **teacher_sizes(run.args))  # a bad cut
     return Pruning(opts, run, targets)
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from megatron_kd.errors import FlagError, UserError
+from megatron_kd.options import Range, option
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CHANNELS = ("analysis", "commentary", "final")
@@ -43,25 +45,31 @@ class Message:
     raw: dict = field(default_factory=dict, compare=False)  # as read, for a tokenizer's own chat template
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
 @dataclass(frozen=True)
 class MaskSettings:
-    """Which tokens of a conversation carry loss (one byte per token in the loss-mask dataset).
+    """loss mask: which tokens of a conversation carry loss (one byte per token beside the tokens)"""
 
-    ``loss_roles``: the roles whose messages are trained (default: the assistant's). ``loss_channels``:
-    of the assistant's harmony messages, the channels trained (analysis: reasoning, commentary: tool
-    calls and their preambles, final: the answer); a chat template has no channels and ignores it.
-    ``loss_header``: "generated" (default) trains the header tokens the model writes itself at
-    inference (harmony: after the prompt's ``<|start|>assistant``, the channel, recipient and
-    ``<|message|>``; all of a later message's header in the same turn), "none" only the content and
-    the end token. The end token (``<|end|>``, ``<|return|>``, ``<|call|>``) always carries loss:
-    the model must learn to stop. ``seq_length`` / ``overlong``: conversations longer than
-    ``seq_length`` tokens are cut ("truncate") or refused ("refuse"); None: any length."""
-
-    loss_roles: tuple[str, ...] = ("assistant",)
-    loss_channels: tuple[str, ...] = CHANNELS
-    loss_header: str = "generated"
-    seq_length: int | None = None
-    overlong: str = "refuse"
+    loss_roles: tuple[str, ...] = option(("assistant",), metavar="ROLES", type=_comma_list)
+    """Roles whose messages carry loss, comma-separated, of system, developer, user, assistant,
+    tool."""
+    loss_channels: tuple[str, ...] = option(CHANNELS, metavar="CHANNELS", type=_comma_list)
+    """Harmony channels of the assistant's messages that carry loss, of analysis (reasoning),
+    commentary (tool calls and their preambles) and final (the answer); a chat template has no
+    channels and ignores it."""
+    loss_header: Literal[HEADER_CHOICES] = option("generated")
+    """'generated': also the header tokens the model writes itself at inference (harmony: the
+    channel, recipient and <|message|> after the prompt's <|start|>assistant; all of a later
+    message's header in the same turn); 'none': content and end token only. End tokens (<|end|>,
+    <|return|>, <|call|>) always carry loss: the model must learn to stop."""
+    seq_length: int | None = option(metavar="N", rule=Range(1, integer=True), unset="any length")
+    """Longest conversation in tokens (the run's --seq-length)."""
+    overlong: Literal["truncate", "refuse"] = option("refuse")
+    """A conversation longer than --seq-length: refuse it (one line naming it) or keep its first N
+    tokens."""
 
     def __post_init__(self):
         for flag, values, known in (("--loss-roles", self.loss_roles, ROLES),

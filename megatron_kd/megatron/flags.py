@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_kd.errors import FlagError, FlagParser, UserError
-from megatron_kd.megatron.args import add_kd_args, check_kd_flags
+from megatron_kd.megatron.args import add_kd_args, check_kd_flags, refuse_renamed_flags
 from megatron_kd.megatron.hf_check import check_hf_dir
 from megatron_kd.megatron.packing import check_packing_flags
 from megatron_kd.optim.megatron import expand_optimizer_flags
@@ -57,6 +57,7 @@ def parse_flags(argv: list[str], prog: str = "megatron-kd") -> argparse.Namespac
     except argparse.ArgumentError as e:
         raise FlagError(str(e)) from None
     if unknown:
+        refuse_renamed_flags(unknown)
         raise FlagError(f"unrecognized arguments: {' '.join(unknown)} (--help lists the --kd-* flags, "
                         f"--help-megatron all of Megatron-LM's)")
     return known

@@ -179,7 +179,7 @@ def _forward_step_impl():
 def pretrain(args, step=None) -> None:
     """megatron.training's ``pretrain`` over our hooks, with the optimizer ``--kd-optimizer`` /
     ``--kd-fused-adam`` choose; ``step``: another ``forward_step_func`` over the same model, data and
-    optimizer (benchmarks/online_kd.py's, which adds a teacher in the process), ``forward_step`` by
+    optimizer (benchmarks/common/online_kd.py's, which adds a teacher in the process), ``forward_step`` by
     default. ``args``: Megatron-LM's global arguments."""
     from functools import partial
 

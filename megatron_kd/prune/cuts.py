@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_kd.errors import UserError
+from megatron_kd.options import Range, option
 from megatron_kd.prune.importance import ImportanceScores
 
 
@@ -24,16 +25,32 @@ class PruneError(UserError):
     """A pruning target the teacher cannot meet; one line."""
 
 
+_SIZE = dict(metavar="N", rule=Range(1, integer=True), unset="all")
+
+
 @dataclass(frozen=True)
 class PruneTargets:
-    """The student's sizes; None keeps the teacher's."""
+    """pruning targets (megatron-kd prune): the student's sizes; None keeps the teacher's"""
 
-    num_layers: int | None = None
-    num_experts: int | None = None
-    ffn_hidden_size: int | None = None
-    num_attention_heads: int | None = None
-    moe_ffn_hidden_size: int | None = None
-    hidden_size: int | None = None
+    num_layers: int | None = option(**_SIZE)
+    """Layers the student keeps: the teacher's most influential ones (GPT-OSS: whole window /
+    full-attention pairs)."""
+    num_experts: int | None = option(**_SIZE)
+    """Experts each MoE layer keeps: those with the most routing mass."""
+    ffn_hidden_size: int | None = option(**_SIZE)
+    """FFN channels each dense MLP layer keeps (Llama, Qwen3): those with the largest activation
+    norms."""
+    num_attention_heads: int | None = option(**_SIZE)
+    """Attention heads each layer keeps: in every query group the same number, those with the
+    largest context norms (N a multiple of the query groups)."""
+    moe_ffn_hidden_size: int | None = option(**_SIZE)
+    """FFN channels each expert keeps (GPT-OSS; Megatron's --moe-ffn-hidden-size): those with the
+    largest activation norms over the tokens routed to it. MXFP4 experts are then written
+    dequantized (bf16)."""
+    hidden_size: int | None = option(**_SIZE)
+    """Hidden channels the model keeps, the same in every layer, the embedding and the output
+    layer: those with the largest norm outputs (N a multiple of the tensor-parallel size; heads
+    keep their width: the student adds --kv-channels; MXFP4 experts are written dequantized)."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ run once over the student run's training data, its top-K (or sampled) entries wr
         <the student run's data flags: --data-path --split --seq-length --seed --train-iters
          --global-batch-size --micro-batch-size --tokenizer-*> \\
         <the teacher's model flags + --load CKPT, with its own --tensor-model-parallel-size ...> \\
-        --kd-cache PATH [--kd-samples 64 | --kd-cache-mode topk --kd-topk 100] [--kd-teacher-hf DIR]
+        --kd-cache PATH [--kd-draws N | --kd-cache-mode topk --kd-topk K] [--kd-teacher-hf DIR]
 
 The datasets are built by the same code and arguments as ``megatron-kd train`` (so sample i is
 the same token window), the teacher is a Megatron GPTModel loaded from ``--load`` (TP, EP; PP=1)
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_kd.cache import CacheError, CacheWriter
 from megatron_kd.cache.inspect import store_bytes
-from megatron_kd.megatron.args import cache_entries
+from megatron_kd.megatron.args import TeacherPassConfig
 from megatron_kd.megatron.loss_mask import loss_mask_field
 from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
 from megatron_kd.megatron.packing import DocumentPacking
@@ -62,7 +62,7 @@ def _hf_teacher(path: str, tokenizer, device, packing: DocumentPacking | None = 
     return teacher
 
 
-def _megatron_teacher(args, tokenizer, packing: DocumentPacking | None = None) -> MegatronTeacher:
+def _megatron_teacher(args, teacher_hf: str | None, tokenizer, packing: DocumentPacking | None = None) -> MegatronTeacher:
     """The teacher the model flags describe, from --load or (GPT-OSS) a Hugging Face directory."""
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
@@ -75,28 +75,28 @@ def _megatron_teacher(args, tokenizer, packing: DocumentPacking | None = None) -
     if args.pipeline_model_parallel_size > 1:
         raise CacheError("the teacher pass runs Megatron teachers with --pipeline-model-parallel-size 1 "
                          "(use tensor / expert parallelism to fit the teacher)")
-    if args.load is None and args.kd_teacher_hf is None:
+    if args.load is None and teacher_hf is None:
         raise CacheError("the teacher pass needs the teacher checkpoint: --load CKPT_DIR (or --kd-teacher-hf DIR)")
     # the weights' digest, before loading: a missing checkpoint stops here instead of a random teacher
     if args.load is not None:
         fingerprint = megatron_fingerprint(args.load, ckpt_step=getattr(args, "ckpt_step", None),
                                            log=_print_rank_0)
     else:
-        fingerprint = hf_fingerprint(args.kd_teacher_hf, log=_print_rank_0)
+        fingerprint = hf_fingerprint(teacher_hf, log=_print_rank_0)
     model = get_model(model_provider, wrap_with_ddp=False)
     if args.load is not None:
         load_checkpoint(model, None, None, strict=True)
     else:
-        init_from_hf(unwrap_model(model[0]), args.kd_teacher_hf, args)
-    check_teacher_vocab(args.padded_vocab_size, tokenizer, source=args.load or args.kd_teacher_hf)
+        init_from_hf(unwrap_model(model[0]), teacher_hf, args)
+    check_teacher_vocab(args.padded_vocab_size, tokenizer, source=args.load or teacher_hf)
     return MegatronTeacher(model[0].eval(), tp_group=parallel_state.get_tensor_model_parallel_group(),
                            sequence_parallel=args.sequence_parallel, vocab_size=tokenizer.vocab_size,
                            fingerprint=fingerprint, packing=packing)
 
 
-def build_cache(args) -> dict:
-    """The teacher pass over Megatron-LM's global arguments ``args`` (``--kd-cache`` given): starts
-    Megatron, writes this rank's partition of the cache and returns, the same on every rank, what the
+def build_cache(args, config: TeacherPassConfig) -> dict:
+    """The teacher pass ``config`` describes (its ``cache`` given) over the data and the teacher of
+    Megatron-LM's global arguments ``args``: starts Megatron, writes this rank's partition of the cache and returns, the same on every rank, what the
     pass did: ``total`` samples the cache holds, ``samples`` / ``tokens`` computed by this pass,
     their ``mass`` (the teacher's mean top-K mass), the cache's ``mode``, ``k``, ``loss_mask`` (its
     field, or None) and ``bytes_per_token``."""
@@ -114,33 +114,31 @@ def build_cache(args) -> dict:
     # the student's --reset-attention-mask / --reset-position-ids: the teacher sees the documents alike
     packing = DocumentPacking.from_args(args, eod=tokenizer.eod)
     # GPT-OSS teachers run as Megatron models (sharded by TP / EP), other HF teachers through transformers
-    teacher = _hf_teacher(args.kd_teacher_hf, tokenizer, device, packing) \
-        if args.kd_teacher_hf and not is_gpt_oss(args) else _megatron_teacher(args, tokenizer, packing)
+    teacher = _hf_teacher(config.teacher_hf, tokenizer, device, packing) \
+        if config.teacher_hf and not is_gpt_oss(args) else _megatron_teacher(args, config.teacher_hf, tokenizer, packing)
 
     # chat data with a loss mask: rows only where the student's loss is taken
     loss_mask = loss_mask_field(train)
-    mode = args.kd_cache_mode
-    k = cache_entries(args)
+    mode, k = config.cache_mode, config.entries
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     writer = None
     if parallel_state.get_tensor_model_parallel_rank() == 0:
         writer = CacheWriter(
-            args.kd_cache, vocab_size=tokenizer.vocab_size, topk=k, seq_length=args.seq_length,
+            config.cache, vocab_size=tokenizer.vocab_size, topk=k, seq_length=args.seq_length,
             num_samples=consumed_train_samples(args), dp_rank=dp_rank, dp_size=dp_size,
-            micro_batch_size=args.micro_batch_size, codec=None if args.kd_cache_codec == "auto" else args.kd_cache_codec,
-            metadata={"temperature": args.kd_capture_temperature, "mode": mode,
+            micro_batch_size=args.micro_batch_size, codec=config.codec,
+            metadata={"temperature": config.capture_temperature, "mode": mode,
                       "sampled_draws": k if mode == "sampled" else 0, "packing": packing.mode,
                       "loss_mask": loss_mask,
                       "teacher_fingerprint": teacher.fingerprint, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                       "dataset_fingerprint": dataset_fingerprint(train)},
         )
         for reason in writer.repairs:  # rows_done claimed rows whose shard is not on disk as recorded
-            print(f"teacher cache {args.kd_cache}: {reason}; computing those samples again", flush=True)
-    summary = capture_teacher(teacher, train, writer,
-                              CaptureConfig(topk=k, mode=mode, temperature=args.kd_capture_temperature,
-                                            micro_batch_size=args.micro_batch_size, seed=args.seed,
-                                            chunk_size=args.kd_chunk_size, masked=bool(loss_mask),
-                                            store_workers=args.kd_cache_workers), device=device)
+            print(f"teacher cache {config.cache}: {reason}; computing those samples again", flush=True)
+    capture = CaptureConfig(mode=mode, topk=k, draws=k, temperature=config.capture_temperature,
+                            micro_batch_size=args.micro_batch_size, seed=args.seed, chunk_size=config.chunk_size,
+                            masked=bool(loss_mask), store_workers=config.cache_workers)
+    summary = capture_teacher(teacher, train, writer, capture, device=device)
     if writer is not None:
         writer.close()
     totals = torch.tensor([summary["samples"], summary["tokens"], summary["mean_teacher_mass"] * summary["tokens"]],
@@ -153,4 +151,4 @@ def build_cache(args) -> dict:
     total = consumed_train_samples(args)
     return {"total": total, "samples": int(samples), "tokens": int(tokens), "mass": mass / tokens if tokens else None,
             "mode": mode, "k": k, "loss_mask": loss_mask,
-            "bytes_per_token": store_bytes(args.kd_cache) / (total * args.seq_length)}
+            "bytes_per_token": store_bytes(config.cache) / (total * args.seq_length)}

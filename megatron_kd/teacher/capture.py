@@ -33,9 +33,12 @@ from megatron_kd.ops.teacher import sample_row_keys, vocab_parallel_sample, voca
 
 @dataclass
 class CaptureConfig:
-    topk: int = 100
-    """Entries per token stored (K); in sampled mode the number of draws per token."""
     mode: Literal["topk", "sampled"] = "topk"
+    """What is stored per token: the teacher's top-K, or tokens drawn from it."""
+    topk: int = 100
+    """K of a top-K pass: the entries stored per token."""
+    draws: int = 64
+    """Tokens drawn per position in a sampled pass (stored as distinct tokens with their counts)."""
     temperature: float = 1.0
     """Temperature of the teacher's softmax at capture."""
     micro_batch_size: int = 1
@@ -48,6 +51,11 @@ class CaptureConfig:
     cores of this rank, ``write_behind.default_workers``)."""
     masked: bool = False
     """Entries only where the sample's ``loss_mask`` is nonzero (padding elsewhere)."""
+
+    @property
+    def entries(self) -> int:
+        """Entries per token of the cache rows: K, or the draws."""
+        return self.topk if self.mode == "topk" else self.draws
 
 
 def _broadcast_pending(writer, tp_group, device) -> np.ndarray:
@@ -88,11 +96,11 @@ def _entries(hidden, weight, kept, samples, cfg: CaptureConfig, tp_group, vocab_
         ids, lps = vocab_parallel_topk(rows, weight, cfg.topk, **kw)
     else:
         keys = sample_row_keys(cfg.seed, _to_device(np.asarray(samples, np.int64), device), s)
-        ids, lps = vocab_parallel_sample(rows, weight, cfg.topk, row_keys=keys if kept is None else keys[kept], **kw)
+        ids, lps = vocab_parallel_sample(rows, weight, cfg.draws, row_keys=keys if kept is None else keys[kept], **kw)
     if kept is None:
         return ids, lps
-    full_ids = torch.full((s, b, cfg.topk), -1, dtype=ids.dtype, device=ids.device)
-    full_lps = torch.full((s, b, cfg.topk), float("-inf"), dtype=lps.dtype, device=lps.device)
+    full_ids = torch.full((s, b, cfg.entries), -1, dtype=ids.dtype, device=ids.device)
+    full_lps = torch.full((s, b, cfg.entries), float("-inf"), dtype=lps.dtype, device=lps.device)
     full_ids[kept], full_lps[kept] = ids, lps
     return full_ids, full_lps
 

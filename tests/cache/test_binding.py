@@ -25,7 +25,7 @@ import pytest
 
 from megatron_kd.cache import CacheError, CacheReader, CacheWriteError, PartitionLayout
 from megatron_kd.cache.inspect import inspect, verify
-from test_cache import _cli_error, _raises_naming, _tree_bytes, _writer, build, sample_data
+from tests.fixtures.cache_store import _cli_error, _raises_naming, _tree_bytes, _writer, build, sample_data
 
 # as test_cache's integrity tests: 13 samples, dp 2, mbs 2, 3 rows per shard (partition 0: shards of
 # 3, 3, 1 rows; partition 1: 3, 3)

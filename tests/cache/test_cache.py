@@ -30,35 +30,17 @@ import torch
 import torch.multiprocessing as mp
 import zarr
 
-from codec_bounds import assert_within_codec
-from kd_inputs import encode_topk_v1, teacher_topk
 from megatron_kd.cache import CacheError, CacheReader, CacheWriter, PartitionLayout
 from megatron_kd.cache.codec import LOGPROB_SCALE, MAX_CODE, decode_topk
 from megatron_kd.cache.encodings import TOPK_V1, default_codec
 from megatron_kd.cache.inspect import inspect, verify
 from megatron_kd.cli import main as cli_main
+from tests.fixtures.cache_store import (_DP, _MBS, _META, _N, _ROWS, K, SEQ, VOCAB, _cli_error, _raises_naming,
+                                        _tree_bytes, _writer, build, sample_data)
+from tests.fixtures.codec_bounds import assert_within_codec
+from tests.fixtures.kd_inputs import encode_topk_v1, teacher_topk
 
-VOCAB, K, SEQ = 3001, 12, 40
-
-
-def sample_data(sample: int, seed: int, seq=SEQ, vocab=VOCAB, k=K):
-    """Deterministic teacher top-K for one sample (so a resumed build can regenerate it)."""
-    torch.manual_seed(seed * 100_003 + sample)
-    ids, lps = teacher_topk(seq, vocab, k, zipf=1.0)
-    if sample % 3 == 0:  # padding in both spellings, and a fully padded token
-        ids[0, k // 2:] = -1
-        lps[1, 1:] = float("-inf")
-        ids[2], lps[2] = -1, float("-inf")
-    return ids, lps
-
-
-def build(path, *, num_samples, dp_size=1, mbs=1, seed=0, ranks=None, rows_per_shard=3, **meta):
-    for rank in (range(dp_size) if ranks is None else ranks):
-        with CacheWriter(path, vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=num_samples,
-                         dp_rank=rank, dp_size=dp_size, micro_batch_size=mbs, rows_per_shard=rows_per_shard,
-                         metadata=meta or None) as w:
-            for s in w.pending_samples():
-                w.write(int(s), *sample_data(int(s), seed))
+ROOT = Path(__file__).parents[2]  # the children's working directory: they import tests.fixtures.cache_store
 
 
 def as_sets(ids, lps):
@@ -121,9 +103,8 @@ def test_two_processes_write_concurrently(tmp_path, seed):
 
 
 _KILL_CHILD = textwrap.dedent("""
-    import sys, time
-    sys.path[:0] = {paths!r}
-    from test_cache import build, sample_data
+    import time
+    from tests.fixtures.cache_store import build, sample_data
     from megatron_kd.cache import CacheWriter
     with CacheWriter({path!r}, vocab_size={vocab}, topk={k}, seq_length={seq}, num_samples={n},
                      dp_size=2, dp_rank=1, micro_batch_size=2, rows_per_shard=3) as w:
@@ -134,20 +115,14 @@ _KILL_CHILD = textwrap.dedent("""
 """)
 
 
-def _tree_bytes(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def test_killed_build_resumes_byte_identical(tmp_path, seed):
     n = 23
     build(tmp_path / "ref", num_samples=n, dp_size=2, mbs=2)
 
     path = tmp_path / "killed"
     build(path, num_samples=n, dp_size=2, mbs=2, ranks=[0])
-    here = str(Path(__file__).parent)
-    script = _KILL_CHILD.format(paths=[here, str(Path(here).parent)], path=str(path), vocab=VOCAB, k=K,
-                                seq=SEQ, n=n)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    script = _KILL_CHILD.format(path=str(path), vocab=VOCAB, k=K, seq=SEQ, n=n)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     written = 0
     for line in child.stdout:  # kill mid-shard, after at least one shard reached the disk
         written += line.startswith("wrote")
@@ -297,10 +272,6 @@ def test_cli_inspect_and_verify(tmp_path, seed, capsys):
 # Integrity: every file the store writes is checked, a missing shard is an error, one writer
 # per partition, rows_done only after the shard data, and the promises the layout and codec make.
 
-_META = {"tokenizer_fingerprint": "tok-fp", "dataset_fingerprint": "data-fp"}
-# 13 samples, dp_size 2, mbs 2, 3 rows per shard: partition 0 holds 7 rows (shards of 3, 3, 1), partition 1 holds 6
-_N, _DP, _MBS, _ROWS = 13, 2, 2, 3
-
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory):
@@ -317,11 +288,6 @@ def store(template, tmp_path) -> Path:
     return path
 
 
-def _writer(path, rank, **kw) -> CacheWriter:
-    return CacheWriter(path, vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=_N, dp_rank=rank, dp_size=_DP,
-                       micro_batch_size=_MBS, rows_per_shard=_ROWS, metadata=_META, **kw)
-
-
 def _block_files(path: Path, rank: int, name: str) -> list[Path]:
     """The shard files of ``ids`` / ``logprobs`` (or the chunk files of ``rows_done``) of a partition, in row order."""
     base = path / f"dp_{rank:05d}" / name / "c"
@@ -330,24 +296,6 @@ def _block_files(path: Path, rank: int, name: str) -> list[Path]:
 
 def _block_samples(rank: int, block: int) -> np.ndarray:
     return PartitionLayout(_N, _DP, _MBS).samples_of(rank)[block * _ROWS:(block + 1) * _ROWS]
-
-
-def _cli_error(argv, capsys) -> str:
-    """Run the CLI; it must exit 2 with one error line on stderr (tqdm's progress lines aside)."""
-    capsys.readouterr()
-    assert cli_main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(("verify:", "inspect:"))]
-    assert len(lines) == 1 and lines[0].startswith("megatron-kd: error:"), err
-    return lines[0]
-
-
-def _raises_naming(file: Path, fn, *args, **kw):
-    with pytest.raises(CacheError) as info:
-        fn(*args, **kw)
-    assert str(file) in str(info.value), (str(file), str(info.value))
-    assert "\n" not in str(info.value)
 
 
 def _read_all(path):
@@ -444,9 +392,8 @@ def test_verify_and_inspect_reach_the_last_block(store, seed):
 
 
 _LOCK_CHILD = textwrap.dedent("""
-    import sys, time
-    sys.path[:0] = {paths!r}
-    from test_cache import _writer
+    import time
+    from tests.fixtures.cache_store import _writer
     w = _writer({path!r}, 1)
     print("locked", flush=True)
     time.sleep(120)
@@ -460,10 +407,8 @@ def test_one_writer_per_partition(tmp_path, seed):
     first = _writer(path, 0)
     with pytest.raises(CacheError, match=f"another writer holds partition 0 of {re.escape(str(path))}"):
         _writer(path, 0)
-    here = str(Path(__file__).parent)
-    child = subprocess.Popen([sys.executable, "-c", _LOCK_CHILD.format(paths=[here, str(Path(here).parent)],
-                                                                      path=str(path))],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _LOCK_CHILD.format(path=str(path))], stdout=subprocess.PIPE,
+                             text=True, cwd=ROOT)
     try:
         assert child.stdout.readline().strip() == "locked"
         with pytest.raises(CacheError, match="another writer holds partition 1"):
@@ -483,10 +428,9 @@ def test_one_writer_per_partition(tmp_path, seed):
 
 
 _CRASH_CHILD = textwrap.dedent("""
-    import os, signal, sys
-    sys.path[:0] = {paths!r}
+    import os, signal
     import zarr.storage._local as local
-    from test_cache import _writer, sample_data
+    from tests.fixtures.cache_store import _writer, sample_data
 
     # zarr writes each file under a temporary name, then renames it into place: crash just before
     # or just after the rename of the target (the rows_done chunk of one shard)
@@ -517,9 +461,8 @@ def test_crash_around_rows_done_write(template, tmp_path, seed, when):
     build(path, num_samples=_N, dp_size=_DP, mbs=_MBS, ranks=[0], **_META)
     shard = 1
     target = f"dp_00001/rows_done/c/{shard}"
-    here = str(Path(__file__).parent)
-    script = _CRASH_CHILD.format(paths=[here, str(Path(here).parent)], path=str(path), target=target, when=when)
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    script = _CRASH_CHILD.format(path=str(path), target=target, when=when)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert child.returncode == -signal.SIGKILL, child.stderr
     part = path / "dp_00001"
     data_files = [part / name / "c" / str(shard) / "0" / "0" for name in ("ids", "logprobs")]

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
-from kd_inputs import encode_topk_v1, sampled_rows, teacher_topk
 from megatron_kd.cache import CacheError, CacheReader, CacheWriter
 from megatron_kd.cache import entry_codecs as ec
 from megatron_kd.cache.codec import PAD_CODE, decode_topk
 from megatron_kd.cache.encodings import TOPK_V1_ENCODING, default_codec
 from megatron_kd.cache.inspect import inspect, store_bytes, verify
 from megatron_kd.cache.streams import pack_streams, plane_streams, read_planes, unpack_streams
+from tests.fixtures.kd_inputs import encode_topk_v1, sampled_rows, teacher_topk
 
 FIXTURE = Path(__file__).parent / "data" / "topk_v1"
 

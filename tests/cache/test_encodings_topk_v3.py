@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 
-from codec_bounds import topk_v3_bound
-from kd_inputs import sampled_rows, teacher_topk
 from megatron_kd.cache import CacheError, CacheReader, CacheWriter
 from megatron_kd.cache import entry_codecs as ec
 from megatron_kd.cache.encodings import probability_levels
 from megatron_kd.cache.inspect import inspect, verify
 from megatron_kd.ops import topk_kl_reference
+from tests.fixtures.codec_bounds import topk_v3_bound
+from tests.fixtures.kd_inputs import sampled_rows, teacher_topk
 
 
 def _id_sets(rng, tokens: int, k: int, n: np.ndarray, vocab: int) -> np.ndarray:

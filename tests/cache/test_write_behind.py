@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from kd_inputs import sampled_rows
 from megatron_kd.cache import CacheError, CacheWriteError, CacheWriter
 from megatron_kd.cache.write_behind import MAX_DEFAULT_WORKERS, WriteBehind, default_workers
-from test_cache import K, SEQ, VOCAB, _tree_bytes, sample_data
+from tests.fixtures.cache_store import K, SEQ, VOCAB, _tree_bytes, sample_data
+from tests.fixtures.kd_inputs import sampled_rows
 
 N, DP, MBS, ROWS = 17, 2, 2, 3
 CODECS = ("topk-v2", "topk-v3", "sampled-counts-v1")

@@ -5,12 +5,11 @@ import json
 
 import numpy as np
 import pytest
-from chat_inputs import (CHATML_SPECIALS, CHATML_TEMPLATE, HARMONY_SPECIALS, marked, megatron_tokenizer,
-                         save_tokenizer, write_jsonl)
-
 from megatron_kd.cli import main as cli_main
 from megatron_kd.data.chat import ConversationRenderer, build_chat_dataset
 from megatron_kd.data.conversation import MaskSettings
+from tests.fixtures.chat_inputs import (CHATML_SPECIALS, CHATML_TEMPLATE, HARMONY_SPECIALS, marked, megatron_tokenizer,
+                                        save_tokenizer, write_jsonl)
 
 WEATHER = {"messages": [
     {"role": "system", "content": "Be brief."},

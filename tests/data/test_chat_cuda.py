@@ -7,11 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from chat_inputs import HARMONY_SPECIALS, save_tokenizer, write_jsonl
-
-from cli_utils import run_cli
-
 from megatron_kd.cli import main as cli_main
+from tests.fixtures.chat_inputs import HARMONY_SPECIALS, save_tokenizer, write_jsonl
+from tests.fixtures.cli_utils import run_cli
 
 pytestmark = pytest.mark.cuda
 

@@ -10,11 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from chat_inputs import HARMONY_SPECIALS, megatron_tokenizer, save_tokenizer, write_jsonl
-from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
-from kd_inputs import rel_err
-
 from megatron_kd.cli import main as cli_main
+from tests.fixtures.chat_inputs import HARMONY_SPECIALS, megatron_tokenizer, save_tokenizer, write_jsonl
+from tests.fixtures.dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
+from tests.fixtures.kd_inputs import rel_err
 
 SEQ, K, SAMPLES, MBS, VOCAB_ROWS = 128, 16, 16, 4, 128
 
@@ -116,8 +115,8 @@ def _teacher_pass(path, dataset, teacher, tokenizer, *, stop_after=None, mode="t
     """What ``cache build`` does on one rank: the dataset's loss mask recorded, entries where it keeps
     the loss. ``stop_after``: a pass killed once the first samples are written."""
     from megatron_kd.cache import CacheWriter
-    from megatron_kd.megatron.loss_mask import loss_mask_field
     from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
+    from megatron_kd.megatron.loss_mask import loss_mask_field
     from megatron_kd.teacher import CaptureConfig, capture_teacher
 
     loss_mask = loss_mask_field(dataset)
@@ -128,8 +127,8 @@ def _teacher_pass(path, dataset, teacher, tokenizer, *, stop_after=None, mode="t
     if stop_after is not None:
         pending = writer.pending_samples()
         writer.pending_samples = lambda: pending[pending < stop_after]
-    capture_teacher(teacher, dataset, writer, CaptureConfig(topk=K, micro_batch_size=MBS, masked=bool(loss_mask),
-                                                            mode=mode), progress=False)
+    capture_teacher(teacher, dataset, writer, CaptureConfig(topk=K, draws=K, micro_batch_size=MBS,
+                                                            masked=bool(loss_mask), mode=mode), progress=False)
     writer.close()
 
 

@@ -8,10 +8,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from chat_inputs import CHATML_SPECIALS, megatron_tokenizer, save_tokenizer
-
 from megatron_kd.cli import main as cli_main
 from megatron_kd.data.chat import token_dtype
+from tests.fixtures.chat_inputs import CHATML_SPECIALS, megatron_tokenizer, save_tokenizer
 
 BOS = "<|im_start|>"
 

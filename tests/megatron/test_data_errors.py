@@ -7,20 +7,16 @@
    it) is removed, said in one line, and rebuilt identical
 """
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "teacher"))
-from kd_inputs import teacher_topk  # noqa: E402
-from tiny_teacher import SEQ, make_dataset  # noqa: E402
-
-from megatron_kd.cache import CacheError, CacheWriter  # noqa: E402
-from megatron_kd.megatron.data import ByteTokenizer, dataset_fingerprint, tokenizer_fingerprint  # noqa: E402
-from megatron_kd.megatron.kd_data import KDDataset  # noqa: E402
+from megatron_kd.cache import CacheError, CacheWriter
+from megatron_kd.megatron.data import ByteTokenizer, dataset_fingerprint, tokenizer_fingerprint
+from megatron_kd.megatron.kd_data import KDDataset
+from tests.fixtures.kd_inputs import teacher_topk
+from tests.fixtures.tiny_teacher import SEQ, make_dataset
 
 K, N = 4, 6
 

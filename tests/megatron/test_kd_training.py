@@ -9,22 +9,18 @@
 """
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "teacher"))
-from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn  # noqa: E402
-from kd_inputs import rel_err, teacher_topk  # noqa: E402
-from tiny_teacher import PADDED_VOCAB, SEQ, make_dataset  # noqa: E402
-
-from megatron_kd.cache import CacheError, CacheWriter  # noqa: E402
-from megatron_kd.megatron.args import KDConfig  # noqa: E402
-from megatron_kd.megatron.data import ByteTokenizer, dataset_fingerprint, tokenizer_fingerprint  # noqa: E402
-from megatron_kd.megatron.kd_data import KDDataset  # noqa: E402
-from megatron_kd.megatron.loss import KDForwardStep  # noqa: E402
+from megatron_kd.cache import CacheError, CacheWriter
+from megatron_kd.megatron.args import KDConfig
+from megatron_kd.megatron.data import ByteTokenizer, dataset_fingerprint, tokenizer_fingerprint
+from megatron_kd.megatron.kd_data import KDDataset
+from megatron_kd.megatron.loss import KDForwardStep
+from tests.fixtures.dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
+from tests.fixtures.kd_inputs import rel_err, teacher_topk
+from tests.fixtures.tiny_teacher import PADDED_VOCAB, SEQ, make_dataset
 
 K = 8
 

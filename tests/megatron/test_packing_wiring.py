@@ -14,21 +14,17 @@
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "teacher"))
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from kd_inputs import rel_err, teacher_topk  # noqa: E402
-from test_packing import EOD, packed_tokens, spans  # noqa: E402
-from tiny_gpt_oss import make_tiny_gpt_oss  # noqa: E402
-
-from megatron_kd.cache import CacheError  # noqa: E402
-from megatron_kd.megatron.packing import DocumentPacking  # noqa: E402
+from megatron_kd.cache import CacheError
+from megatron_kd.megatron.packing import DocumentPacking
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
+from tests.fixtures.kd_inputs import rel_err, teacher_topk
+from tests.fixtures.packed_documents import EOD, packed_tokens, spans
+from tests.fixtures.tiny_gpt_oss import make_tiny_gpt_oss
 
 LENGTHS = [[5, 13, 1, -13], [20, 3, 9]]  # documents shorter and longer than the window of 8
 
@@ -56,12 +52,12 @@ def _worker(rank, world, tmp, seed):
     from megatron.training import get_tokenizer
 
     from megatron_kd.teacher.sources import HFTeacher, MegatronTeacher
-    from test_gpt_oss import _build_student
+    from tests.fixtures.hf_equality import build_gpt_oss_student
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     with megatron_cpu_patches():
         hf_dir = make_tiny_gpt_oss(Path(tmp) / "hf", seed=seed)
-        args, model = _build_student(hf_dir, "--reset-attention-mask", "--reset-position-ids")
+        args, model = build_gpt_oss_student(hf_dir, "--reset-attention-mask", "--reset-position-ids")
         model.eval()
         packing = DocumentPacking.from_args(args, eod=get_tokenizer().eod)
         g = torch.Generator().manual_seed(seed)
@@ -102,10 +98,9 @@ def test_training_step_and_teacher_pass_pack_alike(tmp_path, seed):
 
 def test_cache_records_packing(tmp_path):
     from megatron_kd.cache import CacheReader, CacheWriter
-    from megatron_kd.megatron.kd_data import KDDataset
-    from tiny_teacher import K, SEQ, make_dataset
-
     from megatron_kd.megatron.data import ByteTokenizer, dataset_fingerprint, tokenizer_fingerprint
+    from megatron_kd.megatron.kd_data import KDDataset
+    from tests.fixtures.tiny_teacher import K, SEQ, make_dataset
 
     train = make_dataset(tmp_path, num_samples=2)
     tok = ByteTokenizer()
@@ -130,7 +125,7 @@ def test_cache_records_packing(tmp_path):
 def test_flags_refused_before_start_up():
     from megatron_kd.errors import FlagError
     from megatron_kd.megatron.flags import check_megatron_flags
-    from tiny_gpt_oss import CPU_FLAGS, TINY_ARCH
+    from tests.fixtures.tiny_gpt_oss import CPU_FLAGS, TINY_ARCH
 
     with pytest.raises(FlagError, match="--reset-attention-mask with --context-parallel-size 2"):
         check_megatron_flags([*TINY_ARCH, *CPU_FLAGS, "--tokenizer-type", "NullTokenizer", "--vocab-size", "990",

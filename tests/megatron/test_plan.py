@@ -16,20 +16,16 @@ what it says of the GPT-OSS recipes on one 8-GPU node.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
-from bench_offload import MODEL_FLAGS, OFFLOAD_FLAGS  # noqa: E402
-from tiny_gpt_oss import recipe_flags  # noqa: E402
-
-from megatron_kd.cli import main  # noqa: E402
-from megatron_kd.megatron.plan import GIB, Layout, estimate, model_parameters, plan_args  # noqa: E402
-from megatron_kd.megatron.flags import megatron_parser  # noqa: E402
-from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory  # noqa: E402
+from benchmarks.common.offload import MODEL_FLAGS, OFFLOAD_FLAGS
+from megatron_kd.cli import main
+from megatron_kd.megatron.flags import megatron_parser
+from megatron_kd.megatron.plan import GIB, Layout, estimate, model_parameters, plan_args
+from megatron_kd.optim.megatron import expand_optimizer_flags, optimizer_memory
+from tests.fixtures.tiny_gpt_oss import recipe_flags
 
 ROOT = Path(__file__).parents[2]
 NODE = 141e9
@@ -48,7 +44,7 @@ def test_full_depth_peaks_within_10_percent(record):
     """One rank of the 20B or 120B node at full depth (bench_node --rank-of 8), or the one-GPU Llama
     student: the plan of the very flags the benchmark passed, optimizer step included, against the
     measured peak."""
-    import bench_node
+    from benchmarks.common import node
 
     argv = ["--size", record["size"], "--recompute", record["recompute"], "--optimizer", record["optimizer"]]
     if record.get("rank_of", 8):
@@ -57,11 +53,11 @@ def test_full_depth_peaks_within_10_percent(record):
         argv += ["--seq", str(record["seq"])]
     if record["recompute_modules"]:
         argv += ["--recompute-modules", ",".join(record["recompute_modules"])]
-    opts = bench_node.parse([*argv, "--out", "/nonexistent/plan-check"])
+    opts = node.parse([*argv, "--out", "/nonexistent/plan-check"])
     (config,) = opts.configs
-    flags = [*bench_node.train_flags(opts, "/nonexistent/data"), *bench_node.layout_flags(config),
-             *bench_node.loss_flags(record["loss"], Path("/nonexistent/cache"))]
-    planned = bench_node.plan_gib(flags, opts.gpus, record["loss"])
+    flags = [*node.train_flags(opts, "/nonexistent/data"), *node.layout_flags(config),
+             *node.loss_flags(record["loss"], Path("/nonexistent/cache"))]
+    planned = node.plan_gib(flags, opts.gpus, record["loss"])
     assert abs(planned - record["peak_gib"]) <= 0.10 * record["peak_gib"], (planned, record)
 
 

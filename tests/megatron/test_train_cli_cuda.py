@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from cli_utils import run_cli
+from tests.fixtures.cli_utils import run_cli
 
 pytestmark = pytest.mark.cuda
 

@@ -12,10 +12,9 @@
 import pytest
 import torch
 
-from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
-from kd_inputs import rel_err
-
 from megatron_kd.models.attention import core_attention, flash4_available
+from tests.fixtures.dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
+from tests.fixtures.kd_inputs import rel_err
 
 HEADS, GROUPS, HEAD_DIM, SEQ = 4, 2, 8, 24
 

@@ -12,7 +12,7 @@ import torch
 from megatron_kd.models.expert_activation import clamped_glu, is_quick_gelu
 from megatron_kd.models.experts import _scaled_activation_with_bias_column, bias_column_width
 from megatron.core.activations import quick_gelu
-from triton_device import DEVICE, TRITON_DEVICE_MARKS
+from tests.fixtures.triton_device import DEVICE, TRITON_DEVICE_MARKS
 
 pytestmark = TRITON_DEVICE_MARKS  # compiled on a GPU (`pytest -m cuda`), else Triton's interpreter
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])

@@ -18,8 +18,8 @@ import functools
 import pytest
 import torch
 
-from dist_utils import megatron_cpu_patches, spawn
-from kd_inputs import rel_err
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
+from tests.fixtures.kd_inputs import rel_err
 
 HIDDEN, FFN, EXPERTS, TOKENS = 32, 24, 4, 40
 BF16_TOL = 2e-2
@@ -144,7 +144,7 @@ def _check_recompute_and_saved_bytes(device, seed):
 
 
 def _experts_worker(rank, world, seed, device):
-    from dist_utils import init_tensor_parallel
+    from tests.fixtures.dist_utils import init_tensor_parallel
 
     def checks(device):
         for recompute in RECOMPUTE:

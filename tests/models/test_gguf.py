@@ -28,7 +28,7 @@ from megatron_kd.cli import main
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
-from tiny_llama import tiny_config  # noqa: E402
+from tests.fixtures.tiny_llama import tiny_config  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "o n", "e r", "Ġ w", "o r", "Ġ s"]

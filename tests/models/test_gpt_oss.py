@@ -21,12 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from hf_equality import (assert_same_tensors, build_student, forget_megatron, kd_step, megatron_logits,  # noqa: E402
-                         reference_logits)
-from kd_inputs import rel_err  # noqa: E402
-from tiny_gpt_oss import SEQ, VOCAB_ROWS, make_tiny_gpt_oss, recipe_flags, tiny_flags  # noqa: E402
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
+from tests.fixtures.hf_equality import (assert_same_tensors, build_gpt_oss_student, forget_megatron, kd_step,
+                                        megatron_logits, reference_logits)
+from tests.fixtures.kd_inputs import rel_err
+from tests.fixtures.tiny_gpt_oss import SEQ, VOCAB_ROWS, make_tiny_gpt_oss, recipe_flags
 
 TOL = 1e-4
 
@@ -54,10 +53,6 @@ def test_recipe_is_the_published_architecture(size, layers, experts):
     for field, value in [("sliding_window", 129), ("num_local_experts", experts // 2), ("swiglu_limit", 5.0)]:
         with pytest.raises(ModelConfigError, match=field):
             check_hf_config(GptOssConfig(**{**published.to_dict(), field: value}), args, source="x")
-
-
-def _build_student(hf_dir, *extra):
-    return build_student(tiny_flags(hf_dir, *extra))
 
 
 def _controls(args, model, hf_dir, tokens, want):
@@ -115,7 +110,7 @@ def _tp1_worker(rank, world, tmp, seed):
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     with megatron_cpu_patches():
         hf_dir = make_tiny_gpt_oss(Path(tmp) / "hf", seed=seed)
-        args, model = _build_student(hf_dir)
+        args, model = build_gpt_oss_student(hf_dir)
         assert args.padded_vocab_size == VOCAB_ROWS  # tokenizer 990 (padded 992) < the checkpoint's 1000 rows
         tokens = torch.randint(0, 990, (2, SEQ), generator=torch.Generator().manual_seed(seed))
         want = reference_logits(hf_dir, tokens)
@@ -140,7 +135,7 @@ def _parallel_worker(rank, world, tmp, seed):
             if rank == 0 and not hf_dir.exists():
                 make_tiny_gpt_oss(hf_dir, seed=seed)
             torch.distributed.barrier()
-            args, model = _build_student(hf_dir, parallel_flag, str(world))
+            args, model = build_gpt_oss_student(hf_dir, parallel_flag, str(world))
             tokens = torch.randint(0, 990, (2, SEQ), generator=torch.Generator().manual_seed(seed))
             want = reference_logits(hf_dir, tokens)
             tp_group = parallel_state.get_tensor_model_parallel_group()

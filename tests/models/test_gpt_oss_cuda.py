@@ -8,26 +8,16 @@
    loads in transformers and differs from where it started
 """
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cli_utils import run_cli  # noqa: E402
-from tiny_gpt_oss import TINY_ARCH, TOKENIZER_TOKENS, make_tiny_gpt_oss, recipe_flags  # noqa: E402
+from tests.fixtures.cli_utils import run_cli
+from tests.fixtures.tiny_gpt_oss import EOD, TOKENIZER_TOKENS, cli_flags, make_tiny_gpt_oss
 
 pytestmark = pytest.mark.cuda
-EOD = 1  # the tiny tokenizer's <eos>
-
-
-def _flags(tmp: Path, data: str, iters: int) -> list[str]:
-    return [*recipe_flags("20b", layout=False), *TINY_ARCH, "--seq-length", "64", "--micro-batch-size", "2",
-            "--global-batch-size", "4", "--train-iters", str(iters), "--data-path", data, "--split", "90,5,5",
-            "--bf16", "--seed", "3", "--eval-iters", "1", "--eval-interval", "1000", "--log-interval", "1",
-            "--num-workers", "0", "--data-cache-path", str(tmp / "index-cache")]
 
 
 def _tensors(path: Path) -> dict:
@@ -48,16 +38,16 @@ def test_gpt_oss_teacher_student_export(tmp_path):
     docs = [list(rng.integers(3, TOKENIZER_TOKENS, int(rng.integers(50, 200)))) + [EOD] for _ in range(200)]
     data = str(write_indexed_dataset(tmp_path / "data" / "docs", docs, TOKENIZER_TOKENS))
     cache = tmp_path / "cache"
-    log = run_cli(["cache", "build", *_flags(tmp_path, data, 2), "--kd-teacher-hf", str(hf), "--kd-cache", str(cache),
-                   "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", 1)
+    log = run_cli(["cache", "build", *cli_flags(tmp_path, data, 2), "--kd-teacher-hf", str(hf), "--kd-cache",
+                   str(cache), "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", 1)
     assert "8 samples" in log, log[-3000:]
 
     def distill_and_export(name: str, lr: str) -> tuple[str, Path]:
         """Distill from the HF start for two steps at ``lr``, save, export; (training log, HF directory)."""
         ckpt, out = tmp_path / name, tmp_path / f"{name}-hf"
-        log = run_cli(["train", *_flags(tmp_path, data, 2), "--kd-student-hf", str(hf), "--kd-cache", str(cache),
+        log = run_cli(["train", *cli_flags(tmp_path, data, 2), "--kd-student-hf", str(hf), "--kd-cache", str(cache),
                        "--lr", lr, "--save", str(ckpt), "--save-interval", "2"], tmp_path, name, 1)
-        run_cli(["export-hf", *_flags(tmp_path, data, 2), "--load", str(ckpt), "--kd-student-hf", str(hf),
+        run_cli(["export-hf", *cli_flags(tmp_path, data, 2), "--load", str(ckpt), "--kd-student-hf", str(hf),
                  "--out", str(out)], tmp_path, f"export-{name}", 1)
         return log, out
 

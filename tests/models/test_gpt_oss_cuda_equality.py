@@ -57,17 +57,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from kd_inputs import rel_err  # noqa: E402
-from tiny_gpt_oss import (  # noqa: E402
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
+from tests.fixtures.kd_inputs import rel_err
+from tests.fixtures.tiny_gpt_oss import (
     HEAD_SHAPE, LOCAL_IMPL, TOKENIZER_TOKENS, VOCAB_ROWS, GptOssShape, make_tiny_gpt_oss, recipe_flags,
 )
 

@@ -14,16 +14,13 @@ The tiny random GPT-OSS of tiny_gpt_oss.py, its experts MXFP4-representable, sav
 
 import json
 import os
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from kd_inputs import rel_err  # noqa: E402
-from tiny_gpt_oss import (  # noqa: E402
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
+from tests.fixtures.kd_inputs import rel_err
+from tests.fixtures.tiny_gpt_oss import (
     MXFP4_BLOCK, RELEASE_QUANTIZATION_CONFIG, SEQ, TINY, TOKENIZER_TOKENS, VOCAB_ROWS, make_tiny_gpt_oss, tiny_flags,
 )
 

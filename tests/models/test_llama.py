@@ -15,19 +15,17 @@ nvidia-modelopt.
 
 import copy
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from hf_equality import (assert_same_tensors, build_student, forget_megatron, kd_step, megatron_logits,  # noqa: E402
-                         reference_logits)
-from kd_inputs import rel_err  # noqa: E402
-from tiny_gpt_oss import TOKENIZER_TOKENS, VOCAB_ROWS  # noqa: E402
-from tiny_llama import KINDS, SEQ, make_tiny, tiny_config, tiny_flags  # noqa: E402
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
+from tests.fixtures.hf_equality import (assert_same_tensors, build_student, forget_megatron, kd_step, megatron_logits,
+                                        reference_logits)
+from tests.fixtures.kd_inputs import rel_err
+from tests.fixtures.tiny_gpt_oss import TOKENIZER_TOKENS, VOCAB_ROWS
+from tests.fixtures.tiny_llama import KINDS, SEQ, make_tiny, tiny_config, tiny_flags
 
 TOL = 1e-4  # fp32: both sides round the same 2-layer model's sums differently, ~1e-6 relative
 

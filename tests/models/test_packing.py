@@ -18,47 +18,19 @@
 """
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from kd_inputs import rel_err  # noqa: E402
-from tiny_gpt_oss import SEQ, VOCAB_ROWS, make_tiny_gpt_oss, tiny_flags  # noqa: E402
-
-from megatron_kd.errors import FlagError  # noqa: E402
-from megatron_kd.megatron.packing import DocumentPacking, check_packing_flags  # noqa: E402
-from megatron_kd.models.documents import Documents, PackedDocuments, document_starts  # noqa: E402
-from megatron_kd.models.attention import _block_mask, _causal_block_mask, core_attention  # noqa: E402
-
-EOD = 1
-
-
-def packed_tokens(lengths_per_sample, *, generator, eod=EOD, vocab=990):
-    """[b, s] tokens: documents of the given lengths back to back, each ending with ``eod`` except
-    a sample's last one when it is marked negative (cut by the sample's end, as packing cuts)."""
-    rows = []
-    for lengths in lengths_per_sample:
-        row = []
-        for n in lengths:
-            doc = torch.randint(3, vocab, (abs(n),), generator=generator)
-            if n > 0:
-                doc[-1] = eod
-            row.append(doc)
-        rows.append(torch.cat(row))
-    return torch.stack(rows)
-
-
-def spans(lengths):
-    """(start, stop) of each document of one sample."""
-    out, at = [], 0
-    for n in lengths:
-        out.append((at, at + abs(n)))
-        at += abs(n)
-    return out
+from megatron_kd.errors import FlagError
+from megatron_kd.megatron.packing import DocumentPacking, check_packing_flags
+from megatron_kd.models.attention import _block_mask, _causal_block_mask, core_attention
+from megatron_kd.models.documents import Documents, PackedDocuments, document_starts
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
+from tests.fixtures.kd_inputs import rel_err
+from tests.fixtures.packed_documents import EOD, packed_tokens, spans
+from tests.fixtures.tiny_gpt_oss import SEQ, VOCAB_ROWS, make_tiny_gpt_oss
 
 
 # ------------------------------------------------------------------------------------ 1. boundaries
@@ -280,8 +252,8 @@ def _definition_worker(rank, world, tmp, seed):
     from megatron.core import parallel_state
     from megatron.training import get_tokenizer
 
-    from hf_equality import forget_megatron
-    from test_gpt_oss import _build_student
+    from tests.fixtures.hf_equality import forget_megatron
+    from tests.fixtures.hf_equality import build_gpt_oss_student
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
     hf_dir = Path(tmp) / "hf"
@@ -291,7 +263,8 @@ def _definition_worker(rank, world, tmp, seed):
             if rank == 0 and not hf_dir.exists():
                 make_tiny_gpt_oss(hf_dir, seed=seed)
             torch.distributed.barrier()
-            args, model = _build_student(hf_dir, "--reset-attention-mask", "--reset-position-ids", *parallel_flags)
+            args, model = build_gpt_oss_student(hf_dir, "--reset-attention-mask", "--reset-position-ids",
+                                                *parallel_flags)
             model.eval()
             tp_group = parallel_state.get_tensor_model_parallel_group()
             eod = get_tokenizer().eod

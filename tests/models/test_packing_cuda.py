@@ -16,10 +16,9 @@ import random
 import pytest
 import torch
 
-from kd_inputs import rel_err
-
-from megatron_kd.models.documents import Documents
 from megatron_kd.models.attention import core_attention
+from megatron_kd.models.documents import Documents
+from tests.fixtures.kd_inputs import rel_err
 
 pytestmark = [pytest.mark.cuda, pytest.mark.xdist_group("gpu_memory")]  # fp32 [s, s] references
 

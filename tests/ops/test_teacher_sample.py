@@ -17,9 +17,9 @@ small; on a GPU machine the same tests run them compiled on CUDA tensors.
 import pytest
 import torch
 
-from dist_utils import spawn
 from megatron_kd.ops.teacher.sample import SAMPLE_TILE, draw_uniforms, sample_row_keys, vocab_parallel_sample
-from triton_device import DEVICE, TRITON_DEVICE_MARKS
+from tests.fixtures.dist_utils import spawn
+from tests.fixtures.triton_device import DEVICE, TRITON_DEVICE_MARKS
 
 pytestmark = TRITON_DEVICE_MARKS  # compiled on a GPU (`pytest -m cuda`), else Triton's interpreter
 
@@ -129,7 +129,7 @@ def test_padding_and_massless_columns_are_never_drawn(seed, impl):
 
 
 def _tp_sample_worker(rank, world, seed, impl):
-    from dist_utils import init_tensor_parallel, megatron_cpu_patches
+    from tests.fixtures.dist_utils import init_tensor_parallel, megatron_cpu_patches
 
     with megatron_cpu_patches():
         group = init_tensor_parallel(world)

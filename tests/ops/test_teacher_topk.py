@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_kd.ops.teacher.topk import vocab_parallel_topk
-from triton_device import DEVICE, TRITON_DEVICE_MARKS
+from tests.fixtures.triton_device import DEVICE, TRITON_DEVICE_MARKS
 
 pytestmark = TRITON_DEVICE_MARKS  # compiled on a GPU (`pytest -m cuda`), else Triton's interpreter
 

@@ -17,9 +17,9 @@ import os
 import pytest
 import torch
 
-from kd_inputs import loss_and_grads, make_inputs, rel_err
 from megatron_kd.ops import TAILS, fused_topk_kl, topk_kl_reference
 from megatron_kd.ops.common import auto_chunk_size
+from tests.fixtures.kd_inputs import loss_and_grads, make_inputs, rel_err
 
 CASES = list(itertools.product(TAILS, [1.0, 2.0], [0.0, 0.5], [False, True], ["sum", "mean"]))
 

@@ -9,9 +9,9 @@ import importlib
 import pytest
 import torch
 
-from kd_inputs import loss_and_grads, make_inputs, rel_err
 from megatron_kd.ops import TAILS, fused_topk_kl, topk_kl_reference
 from megatron_kd.ops.common import resolve_impl
+from tests.fixtures.kd_inputs import loss_and_grads, make_inputs, rel_err
 
 pytestmark = pytest.mark.cuda
 IMPLS_CUDA = ["torch", "triton"]

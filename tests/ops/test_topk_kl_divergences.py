@@ -20,8 +20,8 @@ import os
 import pytest
 import torch
 
-from kd_inputs import loss_and_grads, make_inputs, rel_err
 from megatron_kd.ops import DIVERGENCES, fused_topk_kl, topk_kl_reference
+from tests.fixtures.kd_inputs import loss_and_grads, make_inputs, rel_err
 
 SUPPORT_DIVERGENCES = tuple(d for d in DIVERGENCES if d != "forward")
 SUPPORT_TAILS = ("renorm", "ghost")

@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
-from kd_inputs import loss_and_grads, make_inputs, rel_err
 from megatron_kd.ops import fused_topk_kl, topk_kl_reference
+from tests.fixtures.kd_inputs import loss_and_grads, make_inputs, rel_err
 
 FP32_TOL = 1e-4
 

@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
-from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
-from kd_inputs import loss_and_grads, make_inputs, rel_err
 from megatron_kd.ops import TAILS, fused_topk_kl, topk_kl_reference
+from tests.fixtures.dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
+from tests.fixtures.kd_inputs import loss_and_grads, make_inputs, rel_err
 
 CASES = list(itertools.product(TAILS, [1.0, 2.0], [0.0, 0.5]))
 # reverse / jsd: the per-row sums over the teacher entries are partial sums per rank (an all-reduce);

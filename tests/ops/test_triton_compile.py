@@ -5,12 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).with_name("triton_sm90_compile.py")
+ROOT = Path(__file__).parents[2]
 
 
 def test_kernels_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "tests.fixtures.triton_sm90_compile"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     compiled = [line.split(":")[0] for line in proc.stdout.splitlines()]
     assert compiled == ["topk_candidates_kernel", "tile_stats_kernel", "row_mass_kernel", "tile_sample_kernel", *["exp_stats_kernel"] * 2, *["grad_fixup_kernel"] * 4,

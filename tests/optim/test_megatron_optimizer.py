@@ -12,22 +12,17 @@
 4. the flags a choice implies, and the ones that contradict it
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1]))
-sys.path.insert(0, str(Path(__file__).parent))
-from dist_utils import spawn  # noqa: E402
-from megatron_cpu import megatron_optimizer_cpu_patches  # noqa: E402
-from megatron_student import wrap_for_training  # noqa: E402
-
-from megatron_kd.errors import FlagError  # noqa: E402
-from megatron_kd.optim import Bf16Adam  # noqa: E402
-from megatron_kd.optim import megatron as kd_optimizer  # noqa: E402
-from megatron_kd.optim.quantize import moment_bytes  # noqa: E402
+from megatron_kd.errors import FlagError
+from megatron_kd.optim import Bf16Adam
+from megatron_kd.optim import megatron as kd_optimizer
+from megatron_kd.optim.quantize import moment_bytes
+from tests.fixtures.dist_utils import spawn
+from tests.fixtures.megatron_cpu import megatron_optimizer_cpu_patches
+from tests.fixtures.megatron_student import wrap_for_training
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 

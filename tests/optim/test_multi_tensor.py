@@ -1,18 +1,13 @@
 """megatron_kd.optim.multi_tensor: the foreach gradient norm and scale against float64, and inside
 megatron-core's own gradient norm and clip (two gloo ranks, each holding different gradients)."""
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from dist_utils import spawn  # noqa: E402
-from megatron_cpu import megatron_optimizer_cpu_patches  # noqa: E402
-
-from megatron_kd.optim import multi_tensor  # noqa: E402
+from megatron_kd.optim import multi_tensor
+from tests.fixtures.dist_utils import spawn
+from tests.fixtures.megatron_cpu import megatron_optimizer_cpu_patches
 
 SIZES = (1, 255, 4096, 70_001)  # a scalar-like tensor, a partial block, one and many foreach chunks
 NO_FLAG = torch.zeros(1, dtype=torch.int)

@@ -29,7 +29,6 @@ calibration -> cuts -> student path on a Megatron GPT-OSS teacher.
 import math
 import re
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,17 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
-from dist_utils import megatron_cpu_patches, spawn  # noqa: E402
-from hf_equality import (assert_same_tensors, build_student, forget_megatron, megatron_logits,  # noqa: E402
-                         reference_logits)
-from kd_inputs import rel_err  # noqa: E402
-from tiny_gpt_oss import SEQ as GPT_OSS_SEQ  # noqa: E402
-from tiny_gpt_oss import TOKENIZER_TOKENS, make_tiny_gpt_oss, tiny_flags  # noqa: E402
-from tiny_llama import make_tiny  # noqa: E402
-
-from megatron_kd.prune import (ImportanceCollector, KeptParts, PruneError, PruneTargets, choose_kept,  # noqa: E402
+from megatron_kd.prune import (ImportanceCollector, KeptParts, PruneError, PruneTargets, choose_kept,
                                pruned_megatron_state, write_pruned_hf)
+from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
+from tests.fixtures.hf_equality import (assert_same_tensors, build_student, forget_megatron, megatron_logits,
+                                        reference_logits)
+from tests.fixtures.kd_inputs import rel_err
+from tests.fixtures.tiny_gpt_oss import SEQ as GPT_OSS_SEQ
+from tests.fixtures.tiny_gpt_oss import TOKENIZER_TOKENS, make_tiny_gpt_oss, tiny_flags
+from tests.fixtures.tiny_llama import make_tiny
 
 TOL = 1e-5  # fp32: the same tensors through the same transformers code, ordered differently
 
@@ -334,7 +331,7 @@ def test_pruned_expert_channels_are_the_teacher_without_them(tmp_path, seed):
     zeroed; MXFP4 experts come out dense in bf16, the same numbers as the dense teacher's cut."""
     import json
 
-    from hf_equality import safetensors_of
+    from tests.fixtures.hf_equality import safetensors_of
 
     teacher_dir = make_tiny_gpt_oss(tmp_path / "teacher", seed=seed)
     kept = KeptParts(layers=[0, 1], experts=[[0, 2, 3], [1, 2, 3]], expert_ffn=_kept_channels(seed, 2, 3, 96, 48))
@@ -380,7 +377,7 @@ def test_pruned_expert_channels_are_the_teacher_without_them(tmp_path, seed):
 def test_a_narrower_student_holds_the_teachers_kept_channels(tmp_path, seed, arch):
     """Hidden 64 -> 40: every tensor the teacher's kept rows / columns, the student loads without a
     missing, unexpected or mismatched tensor and runs; the heads keep their width (head_dim)."""
-    from hf_equality import safetensors_of
+    from tests.fixtures.hf_equality import safetensors_of
 
     teacher_dir = (make_tiny("llama", tmp_path / "teacher", seed=seed) if arch == "llama"
                    else make_tiny_gpt_oss(tmp_path / "teacher", seed=seed))
@@ -498,9 +495,8 @@ def test_student_copy_of_the_tokenizer_reads_the_teachers_cache(tmp_path):
     of the teacher's tokenizer, so a run with --kd-student-hf STUDENT must describe the samples that
     cache build --kd-teacher-hf TEACHER described (megatron-core's own hash names the tokenizer by path)."""
     from megatron.core.tokenizers import MegatronTokenizer
-    from tiny_gpt_oss import save_word_tokenizer
-
     from megatron_kd.megatron.data import build_gpt_datasets, dataset_fingerprint, write_indexed_dataset
+    from tests.fixtures.tiny_gpt_oss import save_word_tokenizer
 
     prefix = write_indexed_dataset(tmp_path / "data" / "docs", [[3, 4, 5, 6, 1]] * 40, TOKENIZER_TOKENS)
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from codec_bounds import assert_within_codec
-from dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
 from megatron_kd.cache import CacheReader, CacheWriter
 from megatron_kd.megatron.data import ByteTokenizer
 from megatron_kd.ops.teacher.sample import draw_uniforms, sample_row_keys, splitmix64, vocab_parallel_sample
 from megatron_kd.teacher import CaptureConfig, HFTeacher, MegatronTeacher, capture_teacher
-from tiny_teacher import K, SEQ, make_dataset, tiny_model
+from tests.fixtures.codec_bounds import assert_within_codec
+from tests.fixtures.dist_utils import init_tensor_parallel, megatron_cpu_patches, spawn
+from tests.fixtures.tiny_teacher import K, SEQ, make_dataset, tiny_model
 
 VOCAB = ByteTokenizer().vocab_size  # 258 real tokens; rows 258..263 are padding
 
@@ -160,7 +160,7 @@ def _sampled_store(path, dataset, *, mbs, chunk_size=None, stop_after_batches=No
     (micro-batch size 2, shards of 3 rows) is the same for every store compared. Stopped after
     ``stop_after_batches`` micro-batches, its buffered rows are lost as in a crash."""
     teacher = _StoppedTeacher(MegatronTeacher(tiny_model(1), vocab_size=VOCAB), stop_after_batches)
-    cfg = CaptureConfig(topk=K, mode="sampled", micro_batch_size=mbs, chunk_size=chunk_size, seed=99)
+    cfg = CaptureConfig(draws=K, mode="sampled", micro_batch_size=mbs, chunk_size=chunk_size, seed=99)
     with contextlib.suppress(KeyboardInterrupt), CacheWriter(path, num_samples=16, **_SAMPLED) as writer:
         capture_teacher(teacher, dataset, writer, cfg, progress=False)
 
@@ -194,7 +194,6 @@ def test_sampled_pass_is_the_same_however_it_is_batched_or_stopped(tmp_path):
 
 _KILLABLE_PASS = textwrap.dedent("""
     import os, sys, time
-    sys.path[:0] = {paths!r}
     import torch, torch.distributed as dist
     from megatron_kd.distributed import init_process_group
     init_process_group("gloo")
@@ -202,7 +201,7 @@ _KILLABLE_PASS = textwrap.dedent("""
     parallel_state.initialize_model_parallel(1)
     from megatron_kd.cache import CacheWriter
     from megatron_kd.teacher import CaptureConfig, MegatronTeacher, capture_teacher
-    from tiny_teacher import K, SEQ, make_dataset, tiny_model
+    from tests.fixtures.tiny_teacher import K, SEQ, make_dataset, tiny_model
     dataset = make_dataset({tmp!r}, num_samples=16)
     writer = CacheWriter({path!r}, vocab_size=258, topk=K, seq_length=SEQ, num_samples=16, rows_per_shard=3,
                          metadata={{"mode": "{mode}"}})
@@ -216,17 +215,17 @@ _KILLABLE_PASS = textwrap.dedent("""
             return self.t(*a)
 
     capture_teacher(Slow(MegatronTeacher(tiny_model(1), vocab_size=258)), dataset, writer,
-                    CaptureConfig(topk=K, mode="{mode}", micro_batch_size=2), progress=False)
+                    CaptureConfig(topk=K, draws=K, mode="{mode}", micro_batch_size=2), progress=False)
     writer.close()
 """)
 
 
 def _run_pass(tmp, path, mode, kill_after=None):
 
-    here = str(Path(__file__).parent)
-    script = _KILLABLE_PASS.format(paths=[here, str(Path(here).parent)], tmp=str(tmp),
-                                   path=str(path), mode=mode)
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    script = _KILLABLE_PASS.format(tmp=str(tmp), path=str(path), mode=mode)
+    # from the repository root, where the child finds tests.fixtures
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).parents[2])
     batches = 0
     for line in child.stdout:
         batches += line.startswith("batch")

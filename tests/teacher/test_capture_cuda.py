@@ -16,7 +16,7 @@ import torch
 from megatron_kd.cache import CacheReader, CacheWriter
 from megatron_kd.megatron.data import ByteTokenizer
 from megatron_kd.teacher import CaptureConfig, HFTeacher, capture_teacher
-from tiny_teacher import K, SEQ, make_dataset
+from tests.fixtures.tiny_teacher import K, SEQ, make_dataset
 
 pytestmark = pytest.mark.cuda
 VOCAB = ByteTokenizer().vocab_size
@@ -67,7 +67,7 @@ def test_the_pass_loop_does_not_wait_for_the_gpu(tmp_path, mode):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     dataset = make_dataset(tmp_path, num_samples=12)
-    cfg = CaptureConfig(topk=K, micro_batch_size=2, mode=mode, store_workers=2)
+    cfg = CaptureConfig(topk=K, draws=K, micro_batch_size=2, mode=mode, store_workers=2)
     _store(HFTeacher(model), dataset, tmp_path / "cpu", cfg, "cpu")
     teacher = HFTeacher(model.cuda())
     teacher(torch.stack([torch.as_tensor(dataset[0]["tokens"])]).cuda())  # its one-time logits check

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_utils import spawn
 from megatron_kd.errors import UserError
 from megatron_kd.teacher.fingerprint import files_fingerprint, hf_fingerprint, megatron_fingerprint
+from tests.fixtures.dist_utils import spawn
 
 QUIET = dict(progress=False, log=None)
 

@@ -1,7 +1,7 @@
 """Real English text for an offline machine, built from Debian 12 packages (``apt-get download`` reaches
 the Debian mirror where the Hugging Face Hub is out of reach).
 
-    python benchmarks/real_corpora.py --debs DIR --out DIR [--chat-words 8000]
+    python -m benchmarks.common.real_corpora --debs DIR --out DIR [--chat-words 8000]
 
 ``--debs`` holds the .deb files (those missing are fetched there with ``apt-get download``); they are
 unpacked with ``dpkg -x`` into a temporary folder. Writes, one JSON object per line:

@@ -2,7 +2,7 @@
 student's process and dense KL on the full vocabulary. A benchmark path only, not part of the
 product: megatron_kd distills from a teacher cache; this is what that replaces.
 
-    torchrun --nproc-per-node 1 benchmarks/online_kd.py --online-teacher "<the teacher's model flags>" \\
+    torchrun --nproc-per-node 1 -m benchmarks.common.online_kd --online-teacher "<the teacher's model flags>" \\
         <megatron-kd train flags, no --kd-cache>
 
 It runs what ``megatron-kd train`` runs (``megatron_kd.megatron.flags.parse_megatron_args``, then
@@ -16,7 +16,7 @@ schedule) with its forward step replaced. Per micro-batch:
 2. the student's logits through Megatron's own output layer;
 3. ``--kd-weight`` x KL(teacher || student) summed over the full vocabulary and the unmasked
    tokens, plus ``--kd-ce-weight`` x the student's cross-entropy, in fp32
-   (``bench_fidelity.kl_and_ce``, the fidelity benchmark's online reference); temperature 1.
+   (``benchmarks.common.fidelity.kl_and_ce``, the fidelity benchmark's online reference); temperature 1.
 
 The teacher is the student's arguments with every field the ``--online-teacher`` flags set
 (``teacher_args``), e.g. examples/llama/8b.sh's sizes over the llama3.sh architecture both share.
@@ -29,12 +29,8 @@ from __future__ import annotations
 import copy
 import shlex
 import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TEACHER_OPTION = "--online-teacher"
 # the teacher runs forward only: nothing of it is recomputed
@@ -44,7 +40,8 @@ NO_RECOMPUTE = {"recompute_granularity": None, "recompute_method": None, "recomp
 def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     """(the teacher's flags, the student's ``megatron-kd train`` flags)."""
     if len(argv) < 2 or argv[0] != TEACHER_OPTION:
-        raise SystemExit(f"usage: online_kd.py {TEACHER_OPTION} \"<teacher model flags>\" <megatron-kd train flags>")
+        raise SystemExit(f"usage: -m benchmarks.common.online_kd {TEACHER_OPTION} \"<teacher model flags>\" "
+                         "<megatron-kd train flags>")
     return shlex.split(argv[1]), argv[2:]
 
 
@@ -93,8 +90,7 @@ class OnlineKDForwardStep:
     def __call__(self, data_iterator, model):
         from functools import partial
 
-        from bench_fidelity import kl_and_ce
-
+        from benchmarks.common.fidelity import kl_and_ce
         from megatron_kd.megatron.kd_data import get_kd_batch
         from megatron_kd.megatron.loss import loss_func
 
