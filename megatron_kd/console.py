@@ -76,14 +76,42 @@ def filter_third_party_notices() -> None:
             logger.addFilter(_DropMessage(message))
 
 
+_KEPT_STDOUT = None  # the stdout a quieted rank had: where its training log still goes
+
+
 def quiet_other_ranks() -> None:
-    """Ranks other than 0: stdout (the file descriptor, so C-level output too) to /dev/null."""
+    """Ranks other than 0: stdout (the file descriptor, so C-level output too) to /dev/null, its
+    former target kept for ``print_kept``."""
+    global _KEPT_STDOUT
     if rank() == 0:
         return
     sys.stdout.flush()
+    _KEPT_STDOUT = os.fdopen(os.dup(1), "w", buffering=1, closefd=True)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
+
+
+def print_kept(message: str) -> None:
+    """A line this rank prints for the user even when quieted: Megatron-LM prints the training and
+    validation log (lm loss, kd loss, teacher mass, throughput) on the last rank, which the last
+    pipeline stage's losses live on, so that rank's log lines pass the quiet."""
+    print(message, file=_KEPT_STDOUT or sys.stdout, flush=True)
+
+
+def show_last_rank_log() -> None:
+    """Megatron-LM's ``print_rank_last`` through ``print_kept``: on a quieted last rank its log
+    lines would go to /dev/null (any world size > 1)."""
+    import torch.distributed as dist
+    from megatron.training import training, utils
+    from megatron.training.utils import common_utils
+
+    def print_rank_last(message):
+        if not dist.is_initialized() or common_utils.is_last_rank():
+            print_kept(message)
+
+    for module in (training, utils, common_utils):
+        module.print_rank_last = print_rank_last
 
 
 def setup(verbose: bool) -> None:

@@ -102,7 +102,9 @@ class OnlineKDForwardStep:
         kl, ce = kl_and_ce(logits, teacher_logits, batch["labels"], mask)
         tokens = mask.sum()
         loss = self.config.weight * kl + self.config.ce_weight * ce
-        return (loss, torch.stack([kl.detach(), ce.detach(), tokens, tokens])), partial(loss_func)
+        # the report's layout (megatron/loss.py): the full distribution is the teacher's support, mass 1
+        entries = tokens * teacher_logits.shape[-1]
+        return (loss, torch.stack([kl.detach(), ce.detach(), tokens, tokens, entries])), partial(loss_func)
 
 
 def megatron_step(teacher_flags: list[str]):

@@ -62,13 +62,30 @@ class ByteTokenizer(MegatronTokenizerBase):
         raise NotImplementedError("ByteTokenizer has no chat template")
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash of the tokenizer's class, vocabulary size and vocabulary (id -> token mapping)."""
+def vocabulary(tokenizer) -> dict[str, int] | None:
+    """The tokenizer's token -> id table, whatever form the library hands it in: a dict (token ->
+    id), a list or tuple (index = id; megatron-core's text tokenizers), or an object with
+    ``get_vocab()`` (transformers). None for a tokenizer without one (Megatron's NullTokenizer)."""
     try:
         vocab = tokenizer.vocab
-        items = sorted((str(k), int(v)) for k, v in vocab.items())
-    except (AttributeError, NotImplementedError, TypeError):
-        items = []
+    except (AttributeError, NotImplementedError):
+        vocab = None
+    if vocab is None and hasattr(tokenizer, "get_vocab"):
+        vocab = tokenizer.get_vocab()
+    if isinstance(vocab, (list, tuple)):
+        return {str(token): i for i, token in enumerate(vocab)}
+    if hasattr(vocab, "items"):
+        return {str(token): int(i) for token, i in vocab.items()}
+    if vocab is not None and hasattr(vocab, "get_vocab"):
+        return {str(token): int(i) for token, i in vocab.get_vocab().items()}
+    return None
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the tokenizer's class, vocabulary size and vocabulary (id -> token mapping): two
+    tokenizers of one size but other tokens differ."""
+    vocab = vocabulary(tokenizer)
+    items = sorted(vocab.items(), key=lambda item: (item[1], item[0])) if vocab else []
     doc = {"class": type(tokenizer).__name__, "vocab_size": int(tokenizer.vocab_size), "vocab": items}
     return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
 

@@ -224,11 +224,12 @@ def _complete(args: argparse.Namespace, flags: argparse.Namespace) -> argparse.N
     """What every run adds to Megatron-LM's global arguments once they are set (the tokenizer built)."""
     from megatron_kd.models.hf import hf_vocab_rows
 
-    if args.eval_interval is None and args.train_iters is not None:
+    if args.eval_interval is None:
         # megatron-core 0.19 documents an unset --eval-interval as "no evaluation during training", but
         # sizes the validation split with train_iters // eval_interval (a TypeError in every command
-        # that builds the datasets): that is one evaluation, at the end of training
-        args.eval_interval = args.train_iters + 1
+        # that builds the datasets): that is one evaluation, at the end of training. A sample-based
+        # run (--train-samples) has its iterations only later; it runs at most one per sample.
+        args.eval_interval = (args.train_iters or args.train_samples) + 1
     hf_dir = hf_tokenizer_dir(flags)
     hf_rows = hf_vocab_rows(hf_dir) if hf_dir else 0
     if args.padded_vocab_size < hf_rows:

@@ -5,7 +5,10 @@ hands us the final hidden states ([s, b, h], sequence-sharded under sequence par
 output layer (its weight is this rank's vocabulary shard, or the shared embedding when tied)
 instead of computing logits; the fused op turns them into the loss and its gradients chunk by
 chunk. ``loss_func`` returns Megatron's (loss_sum, num_tokens, report) triple, reporting KD loss,
-CE loss and teacher mass as [sum, tokens] pairs that Megatron averages over micro-batches and DP.
+CE loss, teacher mass (the cached entries' share of the teacher's probability: 1 by construction
+for a sampled cache) and teacher entries (per token: K, or a sampled cache's distinct draws, which
+tell how spread the teacher is) as [sum, tokens] pairs that Megatron averages over micro-batches
+and DP.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class KDContext:
 
 
 def kd_output_processor(hidden_states, output_layer, output_weight, labels, loss_mask, context: KDContext, **_):
-    """Replaces the output layer + cross-entropy: returns (loss_sum, stats [kd, ce, mass, tokens])."""
+    """Replaces the output layer + cross-entropy: returns (loss_sum, stats [kd, ce, mass, tokens,
+    entries]), each a sum over the trained tokens but ``tokens``, their count."""
     cfg = context.config
     weight = output_layer.weight if output_weight is None else output_weight
     kwargs = dict(
@@ -50,7 +54,9 @@ def kd_output_processor(hidden_states, output_layer, output_weight, labels, loss
     else:
         loss, stats = topk_kl_reference(hidden_states, weight, context.teacher_ids.transpose(0, 1),
                                         context.teacher_logprobs.transpose(0, 1), **kwargs)
-    return loss, torch.stack([stats["kd"], stats["ce"], stats["teacher_mass"], stats["tokens"]]).float()
+    # the teacher's entries per trained token (a sampled cache's distinct draws: its spread; its mass is 1)
+    entries = ((context.teacher_ids >= 0).sum(-1).float() * loss_mask.float()).sum()
+    return loss, torch.stack([stats["kd"], stats["ce"], stats["teacher_mass"], stats["tokens"], entries]).float()
 
 
 def loss_func(output):
@@ -60,7 +66,7 @@ def loss_func(output):
     num_tokens = tokens.detach().to(torch.int)
     pair = lambda x: torch.stack([x.detach().float(), tokens.float()])  # noqa: E731
     report = {"lm loss": pair(loss), "kd loss": pair(stats[0]), "ce loss": pair(stats[1]),
-              "teacher mass": pair(stats[2])}
+              "teacher mass": pair(stats[2]), "teacher entries": pair(stats[4])}
     return loss, num_tokens, report
 
 

@@ -94,19 +94,48 @@ def build_datasets(train_val_test_num_samples, is_built_on_rank=is_dataset_built
     this too, so sample indices agree), after removing torn cached index files; a data prefix with
     a chat loss mask (``megatron-kd data chat``) has it joined to each sample's loss mask."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
     from megatron.training import get_args, get_tokenizer
 
     args = get_args()
     tokenizer = get_tokenizer()
     config = gpt_dataset_config(args, tokenizer)
     repair_index_cache(config)
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, train_val_test_num_samples, is_built_on_rank, config)
+    # --mock-data (no --data-path): synthetic samples, as pretrain_gpt builds them
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, is_built_on_rank, config)
     return [with_loss_masks(split) for split in builder.build()], tokenizer
 
 
+def run_sizes(args) -> list[int]:
+    """The run's (train, valid, test) sample counts as Megatron-LM's ``pretrain`` sizes them, for
+    commands that build the datasets without it (cache build, prune): a sample-based run
+    (``--train-samples``) gets its iterations first (``update_train_iters``, after
+    ``initialize_megatron``: a step schedule needs the batch-size calculator)."""
+    from megatron.training.training import get_train_valid_test_num_samples, update_train_iters
+
+    update_train_iters(args)
+    return list(get_train_valid_test_num_samples())
+
+
 def consumed_train_samples(args) -> int:
-    return args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
+    """Training samples the run consumes, as Megatron-LM's loop counts them: per iteration the
+    global batch size of that iteration. A batch-size schedule (``--step-batch-size-schedule``;
+    megatron-core 0.19 keeps ``--rampup-batch-size`` only as a flag it ignores) makes it less than
+    iterations x the final batch; a sample-based run consumes its ``--train-samples`` (or, under a
+    schedule, up to the end of the batch that reaches them). Needs ``initialize_megatron`` (its
+    batch-size calculator) where the batch size changes."""
+    if getattr(args, "step_batch_size_schedule", None) is None:
+        return args.train_samples if args.train_samples else args.train_iters * args.global_batch_size
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
+
+    consumed, iteration = 0, 0
+    while (iteration < args.train_iters) if args.train_iters else (consumed < args.train_samples):
+        update_num_microbatches(consumed, consistency_check=False)
+        consumed += get_current_global_batch_size()
+        iteration += 1
+    update_num_microbatches(0, consistency_check=False)  # as Megatron-LM's update_train_iters leaves it
+    return max(consumed, args.train_samples or 0)
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -120,6 +149,9 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
                           packing=DocumentPacking.from_args(args, eod=tokenizer.eod).mode)
         print_rank_0(f"> distilling from {args.kd_cache}: K={train.meta.topk}, mode={train.meta.mode}, "
                      f"{train.meta.num_samples} samples")
+        if train.meta.mode == "sampled":
+            print_rank_0("> teacher mass is 1 for a sampled cache (its draws' frequencies sum to 1); teacher "
+                         "entries, the distinct tokens drawn per position, say how spread the teacher is")
         warning = KDConfig.from_args(args).divergence_warning
         if warning:
             print_rank_0(warning)
@@ -187,9 +219,11 @@ def pretrain(args, step=None) -> None:
     from megatron.training import pretrain as megatron_pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
+    from megatron_kd.console import show_last_rank_log
     from megatron_kd.optim import multi_tensor
     from megatron_kd.optim.megatron import install
 
+    show_last_rank_log()  # the training log: printed on the last rank, which the console quiets
     install(args.kd_optimizer, seed=args.seed)  # the optimizer megatron-core's construction builds
     multi_tensor.install()  # the gradient norm and clip without TE / Apex: foreach kernels, no host syncs
     if args.kd_fused_adam:

@@ -22,7 +22,7 @@ from megatron_kd.cache import CacheError, CacheWriter
 from megatron_kd.cache.inspect import store_bytes
 from megatron_kd.megatron.args import TeacherPassConfig
 from megatron_kd.megatron.loss_mask import loss_mask_field
-from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint
+from megatron_kd.megatron.data import dataset_fingerprint, tokenizer_fingerprint, vocabulary
 from megatron_kd.megatron.packing import DocumentPacking
 from megatron_kd.teacher.capture import CaptureConfig, capture_teacher
 from megatron_kd.models.gpt_oss import is_gpt_oss
@@ -34,6 +34,26 @@ def check_teacher_vocab(teacher_vocab: int, tokenizer, *, source: str) -> None:
     if teacher_vocab < tokenizer.vocab_size:
         raise CacheError(f"teacher {source} has a vocabulary of {teacher_vocab} tokens, the dataset's tokenizer "
                          f"{tokenizer.vocab_size}: they are not the same tokenizer")
+
+
+def check_teacher_tokenizer(path: str, tokenizer) -> None:
+    """The Hugging Face teacher's own tokenizer (where ``path`` has one) maps every token to the id
+    the dataset's tokenizer does: a tokenizer of the same size but other tokens is refused, naming
+    the first id that differs."""
+    import transformers
+
+    try:
+        hf_vocab = transformers.AutoTokenizer.from_pretrained(path).get_vocab()
+    except (OSError, ValueError):
+        return  # no tokenizer files next to the weights: only the size was checked
+    ours = vocabulary(tokenizer)  # None: a tokenizer without a vocabulary table (NullTokenizer): only the size
+    if not ours:
+        return
+    differ = sorted(set(hf_vocab.items()) ^ set(ours.items()), key=lambda item: item[1])
+    if differ:
+        token, i = differ[0]
+        raise CacheError(f"teacher {path}: its tokenizer's vocabulary differs from the dataset's tokenizer "
+                         f"(first at id {i}: {token!r} in one of them only)")
 
 
 def _print_rank_0(line: str) -> None:
@@ -48,16 +68,7 @@ def _hf_teacher(path: str, tokenizer, device, packing: DocumentPacking | None = 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).to(device)
     teacher = HFTeacher(model, fingerprint=fingerprint, packing=packing)
     check_teacher_vocab(teacher.vocab_size, tokenizer, source=path)
-    try:
-        hf_vocab = transformers.AutoTokenizer.from_pretrained(path).get_vocab()
-    except (OSError, ValueError):
-        hf_vocab = None  # no tokenizer files next to the weights: only the size was checked
-    try:
-        ours = tokenizer.vocab
-    except (AttributeError, NotImplementedError):
-        ours = None  # a tokenizer without a vocabulary table (Megatron's NullTokenizer): only the size was checked
-    if hf_vocab is not None and isinstance(ours, dict) and ours and hf_vocab != dict(ours):
-        raise CacheError(f"teacher {path}: its tokenizer's vocabulary differs from the dataset's tokenizer")
+    check_teacher_tokenizer(path, tokenizer)
     teacher.vocab_size = tokenizer.vocab_size
     return teacher
 
@@ -102,14 +113,13 @@ def build_cache(args, config: TeacherPassConfig) -> dict:
     field, or None) and ``bytes_per_token``."""
     from megatron.core import parallel_state
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import get_train_valid_test_num_samples
 
-    from megatron_kd.megatron.run import build_datasets, consumed_train_samples
+    from megatron_kd.megatron.run import build_datasets, consumed_train_samples, run_sizes
 
     initialize_megatron()
     device = torch.device("cuda", torch.cuda.current_device())
     # the student's splits; every rank of a model replica reads the samples it feeds the teacher
-    sizes = list(get_train_valid_test_num_samples())
+    sizes = run_sizes(args)
     (train, _, _), tokenizer = build_datasets(sizes, is_built_on_rank=lambda *a, **k: True)
     # the student's --reset-attention-mask / --reset-position-ids: the teacher sees the documents alike
     packing = DocumentPacking.from_args(args, eod=tokenizer.eod)
