@@ -1,6 +1,9 @@
 # Shared by the launchers (sourced): the project's Python and the environment Megatron expects.
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=${PYTHON:-$( [ -x "$_root/.venv/bin/python" ] && echo "$_root/.venv/bin/python" || echo python3 )}
+# the package from this checkout wherever the user stands: a recipe's relative paths (--data-path,
+# --save, --kd-cache, --tensorboard-dir) resolve from the directory the command was typed in
+export PYTHONPATH="$_root${PYTHONPATH:+:$PYTHONPATH}"
 GPUS=${GPUS:-$("$PY" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
 # Megatron-LM's requirement for overlapping tensor-parallel communication with compute
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}

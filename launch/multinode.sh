@@ -9,7 +9,6 @@
 # launch/slurm.sbatch sets them from SLURM's variables.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-cd "$_root"
 : "${NNODES:?set NNODES (number of nodes)}" "${NODE_RANK:?set NODE_RANK (0..NNODES-1)}" \
   "${MASTER_ADDR:?set MASTER_ADDR (the host of node rank 0)}"
 exec "${TORCHRUN[@]}" --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS" \

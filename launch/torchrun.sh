@@ -11,6 +11,5 @@
 # Several nodes: launch/multinode.sh (and launch/slurm.sbatch).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-cd "$_root"
 exec "${TORCHRUN[@]}" --standalone --nproc-per-node "$GPUS" --master-port "${MASTER_PORT:-29500}" \
   -m megatron_kd.cli "$@"

@@ -3,8 +3,8 @@
 1. docker/Dockerfile installs exactly setup.py's dependencies (less torch, which is the NGC
    image's own) and its "flash4" extra, and copies only files that exist
 2. the launchers start real torchrun jobs on this machine: launch/torchrun.sh and
-   launch/multinode.sh (one node, c10d rendezvous) run ``megatron-kd cache inspect`` on a cache;
-   launch/slurm.sbatch is valid bash
+   launch/multinode.sh (one node, c10d rendezvous) run ``megatron-kd cache inspect`` on a cache,
+   named by a path relative to where the command is typed; launch/slurm.sbatch is valid bash
 """
 
 import ast
@@ -68,16 +68,24 @@ def _tiny_cache(path: Path) -> Path:
     return path
 
 
-def _launch(script: str, args: list[str], **env) -> str:
+def _launch(script: str, args: list[str], cwd: Path | None = None, **env) -> str:
     run_env = {**os.environ, "GPUS": "1", "MASTER_PORT": str(free_port()), **env}
     proc = subprocess.run(["bash", str(ROOT / "launch" / script), *args], capture_output=True, text=True,
-                          env=run_env, timeout=300)
+                          env=run_env, timeout=300, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_single_node_launcher_runs_a_command(tmp_path):
     out = _launch("torchrun.sh", ["cache", "inspect", str(_tiny_cache(tmp_path / "cache"))])
+    assert re.search(r"samples\s+2", out), out
+
+
+def test_a_relative_path_resolves_where_the_user_stands(tmp_path):
+    """A recipe's relative --data-path, --save or --kd-cache names a place below the directory the
+    command was typed in, not below this checkout."""
+    _tiny_cache(tmp_path / "here")
+    out = _launch("torchrun.sh", ["cache", "inspect", "here"], cwd=tmp_path)
     assert re.search(r"samples\s+2", out), out
 
 

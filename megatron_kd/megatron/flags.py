@@ -49,6 +49,13 @@ def megatron_parser(prog: str = "megatron-kd") -> argparse.ArgumentParser:
     return add_kd_args(add_megatron_arguments(parser))
 
 
+# flags of Megatron-LM's own scripts that megatron-core's parser lacks, and what stands for them here
+FOREIGN_FLAGS = {
+    "--enable-gpt-oss": "--enable-gpt-oss is Megatron-LM's post-training flag: here GPT-OSS is its model flags "
+                        "(examples/gpt_oss/gpt_oss.sh) or a GPT-OSS directory given to --kd-student-hf / --kd-teacher-hf",
+}
+
+
 def parse_flags(argv: list[str], prog: str = "megatron-kd") -> argparse.Namespace:
     """Megatron-LM's and our flags parsed (not validated); an unknown flag or a bad value is one
     ``FlagError``."""
@@ -58,8 +65,9 @@ def parse_flags(argv: list[str], prog: str = "megatron-kd") -> argparse.Namespac
         raise FlagError(str(e)) from None
     if unknown:
         refuse_renamed_flags(unknown)
-        raise FlagError(f"unrecognized arguments: {' '.join(unknown)} (--help lists the --kd-* flags, "
-                        f"--help-megatron all of Megatron-LM's)")
+        hints = [FOREIGN_FLAGS[flag.split("=", 1)[0]] for flag in unknown if flag.split("=", 1)[0] in FOREIGN_FLAGS]
+        raise FlagError(f"unrecognized arguments: {' '.join(unknown)} (" + "; ".join(
+            [*hints, "--help lists the --kd-* flags, --help-megatron all of Megatron-LM's"]) + ")")
     return known
 
 
@@ -87,11 +95,34 @@ def check_megatron_flags(argv: list[str]) -> argparse.Namespace:
         raise FlagError(f"missing required flags: {', '.join(missing)}")
     check_kd_flags(known)
     check_packing_flags(known)
+    check_transformer_engine_flags(known)
     tokenizer_dir = hf_tokenizer_dir(known) if known.tokenizer_model is None else None
     for flag, path in (("--kd-student-hf", known.kd_student_hf), ("--kd-teacher-hf", known.kd_teacher_hf)):
         if path:
             check_hf_dir(path, flag, tokenizer=path == tokenizer_dir and _reads_tokenizer_model(known.tokenizer_type))
     return known
+
+
+# Megatron-LM flags only Transformer Engine's layers implement (dest -> flag): on the local spec
+# megatron-core fails on them at model build (layernorm 1p, permute fusion) or trains in bf16
+# without a word (FP8 / FP4)
+TRANSFORMER_ENGINE_FLAGS = {"layernorm_zero_centered_gamma": "--apply-layernorm-1p",
+                            "moe_permute_fusion": "--moe-permute-fusion", "fp8": "--fp8-format",
+                            "fp4": "--fp4-format"}
+
+
+def check_transformer_engine_flags(flags: argparse.Namespace) -> None:
+    """One line for a flag that needs Transformer Engine in a run that builds the local spec
+    (``--transformer-impl local``, or Transformer Engine not installed)."""
+    from megatron_kd.models.gpt import have_transformer_engine
+
+    local = flags.transformer_impl == "local" or not have_transformer_engine()
+    given = [flag for dest, flag in TRANSFORMER_ENGINE_FLAGS.items() if getattr(flags, dest, None)]
+    if local and given:
+        why = "--transformer-impl local" if flags.transformer_impl == "local" else "Transformer Engine is not installed"
+        raise FlagError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} Transformer Engine's layers and this "
+                        f"run builds megatron-core's local spec ({why}): drop the flag, or run with Transformer "
+                        f"Engine (the NGC image)")
 
 
 def megatron_defaults(flags: argparse.Namespace, args_defaults: dict | None = None) -> dict:
