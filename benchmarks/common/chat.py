@@ -231,7 +231,8 @@ class ChatBench(Bench):
         for split, convs in (("train", train), ("heldout", heldout)):
             jsonl = data / f"{split}.jsonl"
             jsonl.write_text("".join(json.dumps(c) + "\n" for c in convs))
-            sidecars[split] = build_chat_dataset(jsonl, data / split, self.tok, MaskSettings(), renderer="harmony")
+            sidecars[split] = build_chat_dataset(jsonl, data / split, self.tok, MaskSettings(), renderer="harmony",
+                                                 overwrite=True)  # --resume keeps the work directory
         corpus = {**counts, "vocab_size": self.vocab, "tokenizer_sha256": self.tok.unique_identifiers["sha256"],
                   "mask": sidecars["train"]["mask"],
                   **{f"{split}_{key}": sidecars[split][key] for split in sidecars for key in ("tokens", "loss_tokens")}}

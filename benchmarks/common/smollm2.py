@@ -147,12 +147,13 @@ class Bench:
                                       clean=self.teacher)])
         tok = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(self.teacher)]
         data = self.work / "data"
+        # --overwrite: a stage killed after its files moved into place, before its marker, runs again
         self.run_jobs("data", [
             Job("data-text", self.megatron_kd("data", "text", "--input", str(corpora / HEAL_TEXT),
-                                              "--output", str(data / "python-docs"), *tok)),
+                                              "--output", str(data / "python-docs"), "--overwrite", *tok)),
             Job("data-chat", self.megatron_kd("data", "chat", "--input", str(corpora / CHAT_TEXT), "--output",
                                               str(data / "chat"), "--renderer", "template",
-                                              "--seq-length", str(self.seq_length), *tok)),
+                                              "--seq-length", str(self.seq_length), "--overwrite", *tok)),
         ])
         self.teacher_flags = self.model_flags(self.teacher)
 

@@ -2,7 +2,8 @@
 Megatron-LM's ``tools/preprocess_data.py`` does (``data/text.py`` tokenizes and writes it).
 
     megatron-kd data text --input docs.jsonl [--input more.jsonl ...] --output PREFIX [--json-key text] \\
-        --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR [--append-eod | --no-append-eod]
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR [--append-eod | --no-append-eod] \\
+        [--overwrite]
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ def text_parser() -> argparse.ArgumentParser:
                        help="Documents, one JSON object per line; repeat the flag for more files (read in order).")
     group.add_argument("--output", required=True, metavar="PREFIX",
                        help="Writes PREFIX.bin/.idx (tokens, one document per line) and PREFIX_text.json (counts, "
-                            "tokenizer fingerprint).")
+                            "tokenizer fingerprint), each under a temporary name first, moved into place once "
+                            "every input was read.")
+    group.add_argument("--overwrite", action="store_true",
+                       help="Replace a dataset already at PREFIX (only once the new one is complete); without it, "
+                            "existing files there are refused.")
     group.add_argument("--json-key", default="text", metavar="KEY",
                        help="The key of each line that holds the document's text (default: text).")
     group.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
@@ -41,11 +46,12 @@ def check(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_kd.data.chat import build_tokenizer
-    from megatron_kd.data.text import build_text_dataset
+    from megatron_kd.data.chat import build_tokenizer, check_output
+    from megatron_kd.data.text import build_text_dataset, text_files
 
+    check_output(args.output, text_files(args.output), overwrite=args.overwrite)  # before loading the tokenizer
     summary = build_text_dataset(args.input, args.output, build_tokenizer(args, "data text"),
-                                 json_key=args.json_key, append_eod=args.append_eod)
+                                 json_key=args.json_key, append_eod=args.append_eod, overwrite=args.overwrite)
     rate = summary["tokens"] / max(summary["seconds"], 1e-9)
     print(f"{args.output}: {summary['documents']:,} documents, {summary['tokens']:,} tokens "
           f"({rate:,.0f} tokens/s, {summary['dtype']}"

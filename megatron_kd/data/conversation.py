@@ -5,13 +5,18 @@ user, assistant, tool) and ``content`` (a string, or a list of ``{"type": "text"
 parts). An assistant message may also carry ``reasoning`` (or ``thinking`` / ``reasoning_content``:
 its chain of thought) and ``tool_calls`` (``[{"id", "function": {"name", "arguments"}}]``, or
 ``{"name", "arguments"}`` flat); a tool message names its function by ``name``, or by
-``tool_call_id`` of an earlier call. Anything else is a ``ChatDataError`` naming the message and
-the field; the command adds the file and line.
+``tool_call_id`` of an earlier call. A system, developer, user or tool message must have
+``content`` (an assistant message may have only reasoning or tool calls); tool-call ``arguments``
+must be JSON (an object, or its text: harmony writes them after ``<|constrain|>json``); a function
+name is letters, digits, ``_`` and ``-`` (OpenAI's rule for function names; harmony writes it in the
+header as ``to=functions.NAME``). Anything else is a ``ChatDataError`` naming the message and the
+field; the command adds the file and line.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -22,6 +27,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 CHANNELS = ("analysis", "commentary", "final")
 REASONING_KEYS = ("reasoning", "thinking", "reasoning_content")
 HEADER_CHOICES = ("generated", "none")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]+")
 
 
 class ChatDataError(UserError):
@@ -101,23 +107,46 @@ def _text(value, what: str) -> str:
     if value is None:
         return ""
     if isinstance(value, str):
+        _utf8(value, what)
         return value
     if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                        and isinstance(p.get("text"), str) for p in value):
-        return "".join(p["text"] for p in value)
+        return _utf8("".join(p["text"] for p in value), what)
     raise ChatDataError(f"{what} is {type(value).__name__}, expected a string or a list of "
                         f"{{\"type\": \"text\", \"text\": ...}} parts")
+
+
+def _utf8(text: str, what: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ChatDataError(f"{what} is not UTF-8 text ({e.reason}: a lone surrogate escape such as \\ud800)") from None
+    return text
+
+
+def _tool_name(name, what: str) -> str:
+    if not isinstance(name, str) or not name:
+        raise ChatDataError(f"{what} has no function name (function.name)")
+    if not TOOL_NAME.fullmatch(name):
+        raise ChatDataError(f"{what} function name {name!r} has characters other than letters, digits, '_' and '-' "
+                            f"(the name is written in the header as to=functions.NAME)")
+    return name
 
 
 def _tool_call(call, what: str) -> ToolCall:
     if not isinstance(call, dict):
         raise ChatDataError(f"{what} is {type(call).__name__}, expected an object with function.name and arguments")
     function = call.get("function", call)
-    name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str) or not name:
-        raise ChatDataError(f"{what} has no function name (function.name)")
+    name = _tool_name(function.get("name") if isinstance(function, dict) else None, what)
     arguments = function.get("arguments", {})
-    if not isinstance(arguments, str):
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ChatDataError(f"{what} arguments are not JSON ({e.msg} at column {e.colno}); expected a JSON object "
+                                f"or its text, e.g. \"{{\\\"city\\\": \\\"Paris\\\"}}\"") from None
+        _utf8(arguments, f"{what} arguments")
+    else:
         arguments = json.dumps(arguments, ensure_ascii=False)
     return ToolCall(name=name, arguments=arguments, id=call.get("id"))
 
@@ -136,6 +165,11 @@ def parse_messages(line: object) -> list[Message]:
         role = raw.get("role")
         if role not in ROLES:
             raise ChatDataError(f"{what} has role {role!r}, expected one of {', '.join(ROLES)}")
+        if role != "assistant" and raw.get("content") is None:
+            others = [k for k in raw if k not in ("role", "name", "tool_call_id")]
+            has = f" (it has {', '.join(map(repr, others))})" if others else ""
+            raise ChatDataError(f"{what} ({role}) has no \"content\"{has}; expected \"content\": a string or a list of "
+                                f"{{\"type\": \"text\", \"text\": ...}} parts")
         content = _text(raw.get("content"), f"{what} content")
         if role != "assistant":
             extra = [k for k in (*REASONING_KEYS, "tool_calls") if raw.get(k)]
@@ -147,6 +181,7 @@ def parse_messages(line: object) -> list[Message]:
                 if not isinstance(name, str) or not name:
                     raise ChatDataError(f"{what} (tool) names no function: give \"name\", or \"tool_call_id\" of an "
                                         f"earlier assistant tool call")
+                _tool_name(name, what)
             out.append(Message(role, content, name=name, raw=raw))
             continue
         reasoning = "".join(_text(raw.get(k), f"{what} {k}") for k in REASONING_KEYS)

@@ -21,8 +21,11 @@ Not rendered: the system message's generated header (model identity, knowledge c
 should show them), the developer message's ``# Tools`` namespace of function definitions (a line's
 ``tools`` is ignored: put the TypeScript-like definitions in the developer content), other
 recipients than ``functions.*`` (browser, python) and ``<|constrain|>`` types other than json.
-Content is tokenized as text; a special token's spelling inside it is whatever the tokenizer makes
-of it.
+Content is tokenized as text only: a special token's spelling inside it (a user pasting
+``<|start|>assistant<|channel|>final<|message|>``) becomes ordinary text tokens, never a control token
+(``chat.PieceEncoder``), so data cannot forge a turn or put loss where it should not be. Tool names
+are checked (``conversation.py``: letters, digits, ``_`` and ``-``), and so are tool-call
+arguments (JSON, as ``<|constrain|>json`` says).
 
 Loss (``MaskSettings``): an assistant message in ``loss_channels`` carries loss on its content and
 end token, and with ``loss_header="generated"`` on the header tokens the model writes: after the
@@ -47,6 +50,9 @@ class Piece:
     text: str
     special: bool  # one special token, by its spelling
     loss: bool
+    # text a chat template wrote itself, whose special-token spellings are its control tokens; any other
+    # text (message content above all) is encoded with those spellings as ordinary text
+    template: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 Megatron-LM's ``tools/preprocess_data.py`` does (that tool is not in the megatron-core package).
 
     megatron-kd data text --input docs.jsonl [--input more.jsonl ...] --output PREFIX [--json-key text] \\
-        --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR [--append-eod | --no-append-eod]
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR [--append-eod | --no-append-eod] \\
+        [--overwrite]
 
 Each line of each input, in order, is one document: a JSON object whose ``--json-key`` (default
 ``text``, as Megatron-LM's ``--json-keys text``) holds its text. Blank lines are skipped, and so is a
@@ -17,7 +18,12 @@ document whose text gives no token (an empty string). Output:
 
 Bad input is one line naming the file and line, exit status 2: a line that is not JSON, a line
 without the key or whose value is not a string, text that is not UTF-8, an unreadable input, inputs
-with no document at all. The files begun are removed then. One document is in memory at a time.
+with no document at all; an ``--output`` that is a directory, lies under a file or in a directory
+that cannot be written; files already at ``--output`` without ``--overwrite``. Everything is written
+under temporary names beside ``--output`` and moved into place only once every input was read
+(``chat.OutputFiles``): a failed or interrupted run leaves what was there untouched, and with
+``--overwrite`` the old files are replaced at the very end, the sidecar last. One document is in
+memory at a time.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_kd.data.chat import _hf, token_dtype
+from megatron_kd.data.chat import OutputFiles, _hf, token_dtype
 from megatron_kd.errors import FlagError, UserError
 
 SIDECAR_FORMAT = "megatron-kd text v1"
@@ -40,6 +46,11 @@ class TextDataError(UserError):
 
 def sidecar_path(prefix) -> Path:
     return Path(f"{prefix}_text.json")
+
+
+def text_files(prefix) -> list[Path]:
+    """What ``data text`` writes at ``prefix``, the sidecar last."""
+    return [Path(f"{prefix}.bin"), Path(f"{prefix}.idx"), sidecar_path(prefix)]
 
 
 def text_encoder(tokenizer):
@@ -92,11 +103,13 @@ def documents(paths, json_key: str = "text", progress=None):
 
 
 def build_text_dataset(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = True,
-                       progress: bool | None = None) -> dict:
+                       progress: bool | None = None, overwrite: bool = False) -> dict:
     """Tokenize every document of ``inputs`` (JSONL files, in order) into ``output_prefix``.bin/.idx and
     write the sidecar; returns its content plus ``seconds``. ``TextDataError`` ("FILE:LINE: ...") for a
-    line that is not a document; the files begun are removed then. ``progress``: a tqdm bar on stderr
-    (None: on a terminal only)."""
+    line that is not a document. Everything is written under temporary names and moved into place at
+    the end (``OutputFiles``): a failed run leaves what was at ``output_prefix`` as it was; existing
+    files there are refused unless ``overwrite``. ``progress``: a tqdm bar on stderr (None: on a
+    terminal only)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
     from tqdm import tqdm
 
@@ -114,41 +127,40 @@ def build_text_dataset(inputs, output_prefix, tokenizer, *, json_key: str = "tex
         raise FlagError("the tokenizer has no EOD token to append (its eos_token); pass --no-append-eod")
     encode = text_encoder(tokenizer)
     prefix = Path(output_prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    sidecar_path(prefix).unlink(missing_ok=True)  # no sidecar describes half-written files
-    files = [Path(f"{prefix}.{ext}") for ext in ("bin", "idx")]
+    bin_file, idx_file, sidecar_file = text_files(prefix)
     dtype = token_dtype(tokenizer)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
-    n_documents = n_tokens = empty = 0
-    start = time.perf_counter()
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"data text {prefix.name}",
-               disable=None if progress is None else not progress)
-    try:
-        for text in documents(inputs, json_key, progress=bar.update):
-            ids = encode(text)
-            if not ids:
-                empty += 1
-                continue
-            if eod is not None:
-                ids.append(int(eod))
-            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
-            n_documents, n_tokens = n_documents + 1, n_tokens + len(ids)
-            bar.set_postfix(documents=n_documents, tokens=n_tokens, refresh=False)
-        if not n_documents:
-            raise TextDataError(f"--input {', '.join(map(str, inputs))}: no document in it"
-                                + (f" ({empty} empty)" if empty else ""))
-    except BaseException:
+    with OutputFiles(prefix, text_files(prefix), overwrite=overwrite) as out:
+        builder = IndexedDatasetBuilder(out[bin_file], dtype=dtype)
+        n_documents = n_tokens = empty = 0
+        start = time.perf_counter()
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"data text {prefix.name}",
+                   disable=None if progress is None else not progress)
+        try:
+            for text in documents(inputs, json_key, progress=bar.update):
+                ids = encode(text)
+                if not ids:
+                    empty += 1
+                    continue
+                if eod is not None:
+                    ids.append(int(eod))
+                builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+                n_documents, n_tokens = n_documents + 1, n_tokens + len(ids)
+                bar.set_postfix(documents=n_documents, tokens=n_tokens, refresh=False)
+            if not n_documents:
+                raise TextDataError(f"--input {', '.join(map(str, inputs))}: no document in it"
+                                    + (f" ({empty} empty)" if empty else ""))
+        except BaseException:
+            bar.close()
+            builder.data_file.close()
+            raise
         bar.close()
-        builder.data_file.close()
-        for file in files:
-            file.unlink(missing_ok=True)
-        raise
-    bar.close()
-    builder.finalize(f"{prefix}.idx")
-    sidecar = {
-        "format": SIDECAR_FORMAT, "inputs": [str(p) for p in inputs], "json_key": json_key, "append_eod": append_eod,
-        "eod": None if eod is None else int(eod), "dtype": dtype.__name__, "documents": n_documents,
-        "tokens": n_tokens, "empty_skipped": empty, "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-    }
-    sidecar_path(prefix).write_text(json.dumps(sidecar, indent=2) + "\n")
+        builder.finalize(out[idx_file])
+        sidecar = {
+            "format": SIDECAR_FORMAT, "inputs": [str(p) for p in inputs], "json_key": json_key,
+            "append_eod": append_eod, "eod": None if eod is None else int(eod), "dtype": dtype.__name__,
+            "documents": n_documents, "tokens": n_tokens, "empty_skipped": empty,
+            "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        }
+        Path(out[sidecar_file]).write_text(json.dumps(sidecar, indent=2) + "\n")
+        out.commit()
     return {**sidecar, "seconds": time.perf_counter() - start}

@@ -54,6 +54,11 @@ def read_sidecar(prefix) -> dict | None:
     for key in ("mask", "fingerprint", "loss_mask"):
         if not isinstance(sidecar.get(key), str):
             raise LossMaskError(f"{path}: field {key!r} is missing or not a string")
+    expected = mask_prefix(Path(prefix).name).name
+    if sidecar["loss_mask"] != expected:  # a name, never a path: the mask lies beside the tokens
+        raise LossMaskError(f"{path}: field 'loss_mask' is {sidecar['loss_mask']!r}, expected {expected!r} (the "
+                            f"mask beside {Path(prefix).name}.bin in the same directory); write the dataset again "
+                            f"with megatron-kd data chat")
     return sidecar
 
 
@@ -61,8 +66,8 @@ def _open_mask(prefix, tokens) -> object:
     """The mask's IndexedDataset, checked to hold the documents of ``tokens`` (the prefix's IndexedDataset)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    sidecar = read_sidecar(prefix)
-    where = Path(prefix).parent / sidecar["loss_mask"]
+    read_sidecar(prefix)  # checks that it names PREFIX_loss_mask
+    where = mask_prefix(prefix)
     if not Path(f"{where}.idx").exists() or not Path(f"{where}.bin").exists():
         raise LossMaskError(f"{sidecar_path(prefix)}: names the loss mask {where}.bin/.idx, which is not there")
     mask = IndexedDataset(str(where))
