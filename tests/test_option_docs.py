@@ -21,7 +21,7 @@ from megatron_kd.cli import main
 from megatron_kd.errors import FlagError
 from megatron_kd.megatron.args import (KD_OPTION_GROUPS, PREFIX, KDConfig, TeacherPassConfig, add_kd_args,
                                        kd_option_table, refuse_renamed_flags)
-from megatron_kd.options import Range, add_option_group, from_args, numeric_fields_without_rule, option, option_docs
+from megatron_kd.options import add_option_group, from_args, numeric_fields_without_rule, option, option_docs
 
 README = Path(__file__).parents[1] / "README.md"
 

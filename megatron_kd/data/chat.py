@@ -52,6 +52,7 @@ import torch
 
 from megatron_kd.data.conversation import ChatDataError, MaskSettings, parse_messages
 from megatron_kd.data.harmony import SPECIAL_TOKENS, Piece, harmony_pieces
+from megatron_kd.data.jsonl import json_lines
 from megatron_kd.megatron.loss_mask import SIDECAR_FORMAT, digest, mask_prefix, sidecar_path
 from megatron_kd.data.template import template_pieces
 from megatron_kd.errors import FlagError, UserError
@@ -226,29 +227,12 @@ class ConversationRenderer:
 
 
 def _conversations(input_path: Path, render: ConversationRenderer):
-    """(ids, mask, truncated) of each conversation of the JSONL file, streamed; errors name FILE:LINE.
-    Read as bytes and decoded line by line, so a byte that is not UTF-8 is reported on its own line."""
-    try:
-        handle = input_path.open("rb")
-    except OSError as e:
-        raise UserError(f"--input {input_path}: cannot read it ({e.strerror})") from None
-    with handle:
-        for number, raw in enumerate(handle, 1):
-            where = f"{input_path}:{number}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ChatDataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start + 1} of the line)") from None
-            if not text.strip():
-                continue
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ChatDataError(f"{where}: not a JSON line ({e.msg} at column {e.colno})") from None
-            try:
-                yield render(line)
-            except ChatDataError as e:
-                raise ChatDataError(f"{where}: {e}") from None
+    """(ids, mask, truncated) of each conversation of the JSONL file, streamed; errors name FILE:LINE."""
+    for where, line in json_lines(input_path, ChatDataError):
+        try:
+            yield render(line)
+        except ChatDataError as e:
+            raise ChatDataError(f"{where}: {e}") from None
 
 
 class OutputFiles:

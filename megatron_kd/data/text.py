@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from megatron_kd.data.chat import OutputFiles, _hf, token_dtype
+from megatron_kd.data.jsonl import json_lines
 from megatron_kd.errors import FlagError, UserError
 
 SIDECAR_FORMAT = "megatron-kd text v1"
@@ -62,44 +63,23 @@ def text_encoder(tokenizer):
     return lambda text: list(tokenizer.tokenize(text))
 
 
-def _open(path: Path):
-    try:
-        return path.open("rb")
-    except OSError as e:
-        raise TextDataError(f"--input {path}: cannot read it ({e.strerror})") from None
-
-
 def documents(paths, json_key: str = "text", progress=None):
     """The text of each document of the JSONL files, in order, streamed; errors name FILE:LINE.
     ``progress(n)`` is called with the bytes of each line read."""
     for path in map(Path, paths):
-        with _open(path) as handle:
-            for number, raw in enumerate(handle, 1):
-                if progress is not None:
-                    progress(len(raw))
-                where = f"{path}:{number}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise TextDataError(f"{where}: not UTF-8 ({e.reason} at byte {e.start + 1} of the line)") from None
-                if not line.strip():
-                    continue
-                try:
-                    value = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise TextDataError(f"{where}: not a JSON line ({e.msg} at column {e.colno})") from None
-                if not isinstance(value, dict) or json_key not in value:
-                    what = "an object" if isinstance(value, dict) else f"a JSON {type(value).__name__}"
-                    raise TextDataError(f"{where}: no {json_key!r} key (the line is {what}; --json-key names the "
-                                        f"text's key)")
-                text = value[json_key]
-                if not isinstance(text, str):
-                    raise TextDataError(f"{where}: {json_key!r} is {type(text).__name__}, expected a string")
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise TextDataError(f"{where}: {json_key!r} is not UTF-8 text ({e.reason})") from None
-                yield text
+        for where, value in json_lines(path, TextDataError, progress):
+            if not isinstance(value, dict) or json_key not in value:
+                what = "an object" if isinstance(value, dict) else f"a JSON {type(value).__name__}"
+                raise TextDataError(f"{where}: no {json_key!r} key (the line is {what}; --json-key names the "
+                                    f"text's key)")
+            text = value[json_key]
+            if not isinstance(text, str):
+                raise TextDataError(f"{where}: {json_key!r} is {type(text).__name__}, expected a string")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise TextDataError(f"{where}: {json_key!r} is not UTF-8 text ({e.reason})") from None
+            yield text
 
 
 def build_text_dataset(inputs, output_prefix, tokenizer, *, json_key: str = "text", append_eod: bool = True,
@@ -120,7 +100,10 @@ def build_text_dataset(inputs, output_prefix, tokenizer, *, json_key: str = "tex
         raise FlagError("data text needs at least one --input")
     total = 0
     for path in inputs:  # every input readable before any work
-        _open(path).close()
+        try:
+            path.open("rb").close()
+        except OSError as e:
+            raise TextDataError(f"--input {path}: cannot read it ({e.strerror})") from None
         total += path.stat().st_size
     eod = tokenizer.eod if append_eod else None
     if append_eod and eod is None:
