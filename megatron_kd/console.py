@@ -136,8 +136,11 @@ def code_path_line(transformer_impl: str, *, planned: bool = False) -> str:
     local = "megatron-core local spec with megatron_kd attention and experts"
     if transformer_impl == "local":
         return f"megatron_kd: --transformer-impl local: {local}"
-    if planned:
-        return "megatron_kd: Transformer Engine spec (--transformer-impl transformer_engine)"
+    if planned and not have_transformer_engine():
+        # plan sizes the GPU machine's run, and the NGC image there has Transformer Engine
+        return ("megatron_kd: plan sizes the Transformer Engine spec (--transformer-impl transformer_engine), what "
+                "a machine with Transformer Engine builds; this one has none and would build the local spec "
+                "(--transformer-impl local sizes that)")
     if have_transformer_engine():
         return "megatron_kd: Transformer Engine spec"
     return f"megatron_kd: no Transformer Engine: {local}"

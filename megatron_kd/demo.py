@@ -300,6 +300,21 @@ def _ce_step(model, batch):
     return (losses * mask).sum(), mask.sum()
 
 
+def _load_checkpoint(checkpoint: Path, name: str, log) -> dict | None:
+    """A checkpoint ``train_loop`` wrote, read with ``weights_only``: tensors, dicts, lists, numbers
+    and strings only, so a file planted in the workdir runs no code. One it cannot read (another
+    format, damaged) is said in one line; the stage then starts over and writes its own."""
+    import pickle
+
+    try:
+        state = torch.load(checkpoint, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        log(f"  {name:10} checkpoint {checkpoint} cannot be resumed ({' '.join(str(e).split())[:200]}); "
+            "starting this stage again")
+        return None
+    return state if isinstance(state, dict) else None
+
+
 def train_loop(name, model, steps, step_fn, cfg: DemoConfig, writer, log,
                checkpoint: Path | None = None) -> list[tuple[int, float]]:
     """AdamW + warm-up/cosine for ``steps`` steps of ``step_fn(model, step)``; returns the curve.
@@ -313,9 +328,9 @@ def train_loop(name, model, steps, step_fn, cfg: DemoConfig, writer, log,
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)) * 0.9 + 0.1)
     curve, first = [], 1
-    if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["steps"] == steps and state["config"] == config_key(cfg):
+    state = _load_checkpoint(checkpoint, name, log) if checkpoint is not None and checkpoint.exists() else None
+    if state is not None:
+        if state.get("steps") == steps and state.get("config") == config_key(cfg):
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["schedule"])

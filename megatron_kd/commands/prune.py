@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from megatron_kd.prune import PruneTargets
 
     group = add_option_group(parser, PruneTargets, prefix=PREFIX)
-    group.add_argument("--out", metavar="DIR", help="Where to write the pruned student (Hugging Face directory).")
+    group.add_argument("--out", metavar="DIR", help="Where to write the pruned student (Hugging Face directory): "
+                       "new or empty, not the teacher's; written beside it and renamed into place once whole.")
     add_option_group(parser, Calibration, prefix=PREFIX)
     return parser
 
@@ -88,9 +89,13 @@ class Pruning:
     targets: object  # prune.PruneTargets
 
 
-def _needs(flags) -> None:
+def _needs(flags, out: str) -> None:
+    from megatron_kd.prune.hf_checkpoint import check_student_dir
+
     if not flags.kd_teacher_hf:
         raise FlagError("prune cuts a Hugging Face teacher: --kd-teacher-hf DIR (its model flags as for cache build)")
+    # before Megatron-LM's validation and the CUDA check: --out never the teacher's, never an older model
+    check_student_dir(out, flags.kd_teacher_hf)
 
 
 def check(argv: list[str]) -> Pruning:
@@ -100,7 +105,7 @@ def check(argv: list[str]) -> Pruning:
     from megatron_kd.prune.run import layer_group_size, teacher_sizes
 
     opts, megatron_argv = prune_options(argv)
-    run = check_megatron_run(megatron_argv, "prune", ARGS_DEFAULTS, needs=_needs)
+    run = check_megatron_run(megatron_argv, "prune", ARGS_DEFAULTS, needs=lambda flags: _needs(flags, opts.out))
     if run.args.pipeline_model_parallel_size > 1:
         raise FlagError("prune runs the teacher with --pipeline-model-parallel-size 1 (use tensor / expert "
                         "parallelism to fit it)")

@@ -45,10 +45,11 @@ this project's local attention and experts). The estimate is checked against pea
 H200s (``benchmarks/memory_measurements.json``, ``tests/megatron/test_plan.py``).
 
 Before estimating, the run's layout is checked as Megatron checks it at start-up (one ``FlagError``
-line for the first rule it breaks; ``layout_error``): positive sizes; TP x PP x CP divides the GPUs;
-expert-TP x EP x PP divides them and EP the experts; heads and query groups divisible by TP; layers
-by PP; the global batch by micro-batch x DP; the sequence by 2 x CP (CP > 1) and by TP under
-sequence parallelism; MoE under TP > 1 needs sequence parallelism. Every term is >= 0 (asserted).
+line for the first rule it breaks; ``layout_error``): positive sizes, none above 2**31 - 1
+(``PLAN_SIZE_LIMIT``); TP x PP x CP divides the GPUs; expert-TP x EP x PP divides them and EP the
+experts; heads and query groups divisible by TP; layers by PP; the global batch by micro-batch x DP;
+the sequence by 2 x CP (CP > 1) and by TP under sequence parallelism; MoE under TP > 1 needs
+sequence parallelism. Every term is >= 0 (asserted).
 
 ``--search`` tries the layouts (TP, EP, PP, CP, recompute, micro-batch) that divide the GPUs (and,
 with ``--transformer-impl local``, that megatron-core's local spec can run; recompute: none, every
@@ -274,14 +275,21 @@ _MODEL_SIZES = (("--num-layers", "num_layers"), ("--hidden-size", "hidden_size")
                 ("--expert-tensor-parallel-size", "expert_tensor_parallel_size"))
 
 
+# the largest value of one size plan estimates with (int32's): far beyond any run, far below where
+# the estimate's products of sizes leave float range
+PLAN_SIZE_LIMIT = 2**31 - 1
+
+
 def check_model_sizes(args) -> None:
-    """Every size the estimate uses is >= 1 where given (one ``FlagError``)."""
+    """Every size the estimate uses is >= 1 and at most ``PLAN_SIZE_LIMIT`` where given (one ``FlagError``)."""
     from megatron_kd.errors import FlagError
 
-    for flag, dest in _MODEL_SIZES:
+    for flag, dest in (*_MODEL_SIZES, ("--kd-topk", "kd_topk"), ("--kd-draws", "kd_draws")):
         value = getattr(args, dest, None)
         if value is not None and value < 1:
             raise FlagError(f"{flag} must be >= 1, got {value}")
+        if value is not None and value > PLAN_SIZE_LIMIT:  # the estimate's floats would overflow, or mean nothing
+            raise FlagError(f"{flag} {value}: plan sizes runs up to {PLAN_SIZE_LIMIT:,} in any one size")
     if args.num_experts and args.moe_router_topk > args.num_experts:
         raise FlagError(f"--moe-router-topk {args.moe_router_topk} is more than --num-experts {args.num_experts}")
     if args.kv_channels is None and args.hidden_size % args.num_attention_heads:

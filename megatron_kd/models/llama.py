@@ -113,6 +113,49 @@ def check_dense_hf_config(hf_config, args, *, source: str) -> None:
                                       if key in LLAMA3_ROPE_FIXED else f"the flags give {value!r}"))
 
 
+# the sizes hf-flags prints that transformers' config classes would otherwise fill with their own
+# defaults (LlamaConfig's: Llama-2-7B's 32 layers of 4096), which describe some other model
+REQUIRED_FIELDS = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size")
+_ROPE_TYPES = ("default", "llama3")
+
+
+def _rope_types(config: dict) -> list[str]:
+    """The RoPE types a config.json as written asks for: ``rope_parameters`` (transformers 5) or
+    ``rope_scaling`` (4.x; ``type`` in older files), possibly one dict per attention type."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        return [repr(rope)]
+    parts = list(rope.values()) if rope and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    return [str(part.get("rope_type") or part.get("type") or "default") for part in parts]
+
+
+def check_raw_config(config: dict, source: str) -> None:
+    """What ``megatron_flags`` needs of a config.json as written, before transformers reads it (and
+    fills in defaults, or warns, or asks for remote code): one ``ModelConfigError`` naming ``source``
+    (the file) and the field. A Llama / Qwen3 of transformers' own code, its sizes given, default or
+    Llama 3 RoPE."""
+    if config.get("auto_map"):
+        raise ModelConfigError(f"{source}: auto_map names the model's own code ({', '.join(sorted(config['auto_map']))}"
+                               f", run only with trust_remote_code); megatron_kd builds transformers' own "
+                               f"{', '.join(ARCHITECTURES)} architectures")
+    kind = config.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ModelConfigError(f"{source}: model_type {kind!r}: megatron_kd builds {', '.join(ARCHITECTURES)} (and "
+                               f"gpt_oss from examples/gpt_oss)")
+    missing = [name for name in REQUIRED_FIELDS if config.get(name) is None]
+    if missing:
+        raise ModelConfigError(f"{source}: no {', '.join(missing)} (each a positive integer; transformers would put "
+                               f"its own defaults in their place, another model's sizes)")
+    for name in REQUIRED_FIELDS:
+        value = config[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelConfigError(f"{source}: {name} must be a positive integer, got {value!r}")
+    for rope_type in _rope_types(config):
+        if rope_type not in _ROPE_TYPES:
+            raise ModelConfigError(f"{source}: rope_type {rope_type!r}; megatron_kd builds default and llama3 RoPE "
+                                   f"for Llama / Qwen3 (YaRN: GPT-OSS only)")
+
+
 def megatron_flags(hf_config) -> list[str]:
     """The Megatron-LM model flags that build ``hf_config``'s architecture (Llama or Qwen3), for
     ``--kd-student-hf`` / ``--kd-teacher-hf`` runs; ``check_dense_hf_config`` accepts them."""

@@ -31,13 +31,20 @@ config.json gets the student's ``num_hidden_layers``, ``layer_types``, ``num_loc
 ``head_dim`` (explicit where heads or hidden are cut: the heads keep their width); the tokenizer
 and generation files are copied; ``prune.json`` records the kept layers, experts and heads, and
 ``prune_scores.npz`` the kept channels and every score.
+
+The student is written into a new directory beside the one asked for (``.NAME.partial-*``) and
+renamed into place once whole, so a killed prune never leaves half a student there. The directory
+asked for is new or empty, and never the teacher's (``check_student_dir``: one line each, which
+``megatron-kd prune`` runs before any work, with a probe that its parent can be written).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -202,16 +209,84 @@ def head_dim_of(config: dict) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
-def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptParts) -> Path:
-    """Write the student (``kept`` parts of ``teacher_dir``'s model) into ``out_dir``."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+def _same_place(a: Path, b: Path) -> bool:
+    """Whether two paths name one directory (by its resolved path, or the same inode: a link, a bind mount)."""
+    if a.resolve() == b.resolve():
+        return True
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
+
+def _existing_ancestor(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (absolute)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_student_dir(out_dir: str | Path, teacher_dir: str | Path, *, flag: str = "--out",
+                      probe: bool = True) -> None:
+    """One ``PruneError`` line unless ``out_dir`` can take a new student: not the teacher's directory
+    (by any path), not a file, absent or empty; with ``probe``, a directory is made (and removed) in
+    its parent (or the parent's nearest existing ancestor): where the student is written first."""
+    out, teacher = Path(out_dir), Path(teacher_dir)
+    if _same_place(out, teacher):
+        raise PruneError(f"{flag} {out_dir} is the teacher's directory (--kd-teacher-hf {teacher_dir}): the student "
+                         f"would overwrite its config.json and weights; give a new or empty directory")
+    if out.exists() and not out.is_dir():
+        raise PruneError(f"{flag} {out_dir}: a file, not a directory (the student is a new or empty directory)")
+    if out.is_dir():
+        held = sorted(p.name for p in out.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise PruneError(f"{flag} {out_dir}: not empty (holds {shown}); prune writes the student into an empty "
+                             f"or absent directory: remove it or give another")
+    if not probe:
+        return
+    parent = _existing_ancestor(Path(os.path.abspath(out)).parent)
+    if not parent.is_dir():
+        raise PruneError(f"{flag} {out_dir}: {parent} is a file, not a directory")
+    trial = parent / f".megatron-kd-probe-{uuid.uuid4().hex[:12]}"
+    try:
+        trial.mkdir()
+        trial.rmdir()
+    except OSError as e:
+        raise PruneError(f"{flag} {out_dir}: cannot write in {parent} ({e.strerror or e})") from None
+
+
+def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptParts) -> Path:
+    """Write the student (``kept`` parts of ``teacher_dir``'s model) into ``out_dir`` (new or empty):
+    first into a directory beside it, renamed into place once whole."""
     teacher_dir, out_dir = Path(teacher_dir), Path(out_dir)
+    check_student_dir(out_dir, teacher_dir, probe=False)
     files = sorted(teacher_dir.glob("*.safetensors"))
     if not files:
         raise PruneError(f"{teacher_dir}: no *.safetensors files (the teacher's Hugging Face weights)")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    partial.mkdir()
+    try:
+        _write_student(teacher_dir, files, partial, kept)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    try:
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty, as checked: the student takes its place
+        os.rename(partial, out_dir)
+    except OSError as e:
+        raise PruneError(f"{out_dir}: cannot put the student there ({e.strerror or e}: written there meanwhile?); "
+                         f"it is whole in {partial}") from None
+    return out_dir
+
+
+def _write_student(teacher_dir: Path, files: list[Path], out_dir: Path, kept: KeptParts) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
     teacher_config = json.loads((teacher_dir / "config.json").read_text())
     head_dim = head_dim_of(teacher_config.get("text_config", teacher_config))
     weight_map, total, waiting, dequantized = {}, 0, {}, False
@@ -244,4 +319,3 @@ def write_pruned_hf(teacher_dir: str | Path, out_dir: str | Path, kept: KeptPart
     (out_dir / "prune.json").write_text(json.dumps(record, indent=1))
     # numpy's archive, not *.safetensors: nothing that globs a directory's weight files picks it up
     np.savez_compressed(out_dir / PRUNE_ARRAYS, **{k: t.numpy() for k, t in kept.arrays().items()})
-    return out_dir

@@ -40,16 +40,15 @@ def prune_hf_teacher(args, targets: PruneTargets, *, calib_samples: int, out: st
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
     from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import get_model, get_train_valid_test_num_samples
+    from megatron.training.training import get_model
 
     from megatron_kd.megatron.packing import DocumentPacking
-    from megatron_kd.megatron.run import build_datasets, model_provider
+    from megatron_kd.megatron.run import build_datasets, model_provider, run_sizes
     from megatron_kd.models.hf import init_from_hf
     from megatron_kd.teacher.sources import MegatronTeacher
 
     initialize_megatron()
-    (train, _, _), tokenizer = build_datasets(list(get_train_valid_test_num_samples()),
-                                              is_built_on_rank=lambda *a, **k: True)
+    (train, _, _), tokenizer = build_datasets(run_sizes(args), is_built_on_rank=lambda *a, **k: True)
     model = get_model(model_provider, wrap_with_ddp=False)
     init_from_hf(unwrap_model(model[0]), args.kd_teacher_hf, args)
     teacher = MegatronTeacher(model[0].eval(), tp_group=parallel_state.get_tensor_model_parallel_group(),
