@@ -128,12 +128,11 @@ def option_rules(config: type, *, prefix: str = "") -> dict[str, Range]:
 def numeric_fields_without_rule(config: type) -> list[str]:
     """The numeric fields of ``config`` without a ``Range`` (``add_option_group`` refuses them)."""
     hints = typing.get_type_hints(config)
-    numeric = []
-    for f in fields(config):
-        args = set(typing.get_args(hints[f.name])) or {hints[f.name]}
-        if args & {int, float} and typing.get_origin(hints[f.name]) is not typing.Literal:
-            numeric.append(f.name)
-    return [name for name in numeric if not next(f for f in fields(config) if f.name == name).metadata.get("rule")]
+
+    def numeric(hint) -> bool:  # int, float or Optional of them; a Literal's values are choices
+        return typing.get_origin(hint) is not typing.Literal and bool({int, float} & (set(typing.get_args(hint)) or {hint}))
+
+    return [f.name for f in fields(config) if numeric(hints[f.name]) and not f.metadata.get("rule")]
 
 
 def check_ranges(config, *, prefix: str = "") -> None:
