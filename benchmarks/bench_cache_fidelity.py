@@ -81,6 +81,11 @@ def teacher_streams(bench: bf.Bench, rows: int, topk: int, draws: list[int]) -> 
     return out
 
 
+def student_tokens(bench: bf.Bench, rows: int) -> np.ndarray:
+    """[rows, seq_length] the tokens of the bench's first student samples: what the teacher pass read."""
+    return np.stack([np.asarray(bench.student_ds[i]["tokens"]) for i in range(rows)])
+
+
 def run_rows(args, preset: bf.Preset, out: Path) -> dict:
     bench = bf.Bench(preset, out, bf.default_device(), bf.autocast_dtype("auto", bf.default_device()), log)
     if not (args.resume and bench.resume()):
@@ -95,6 +100,7 @@ def run_rows(args, preset: bf.Preset, out: Path) -> dict:
     results = {"preset": bench.results["preset"], "teacher": {k: bench.results["teacher"][k]
                                                               for k in ("parameters", "steps", "heldout_ce")},
                "vocab": bench.vocab, "rows": rows, "seq_length": preset.seq_length, "streams": {}}
+    tokens = student_tokens(bench, rows)
     for name, (mode, k, pool) in streams.items():
         ids = torch.stack([p[0] for p in pool])
         distinct = float((ids >= 0).sum(-1).double().mean())
@@ -102,7 +108,7 @@ def run_rows(args, preset: bf.Preset, out: Path) -> dict:
         for codec in (TOP_K_CODECS if mode == "topk" else SAMPLED_CODECS):
             r = measure(bench.work / "measure" / f"{name}-{codec}", pool, vocab=bench.vocab, k=k,
                         seq_length=preset.seq_length, samples=rows, rows_per_shard=args.rows_per_shard,
-                        codec=codec, draws=k if mode == "sampled" else 0, repeats=args.repeats)
+                        codec=codec, draws=k if mode == "sampled" else 0, repeats=args.repeats, tokens=tokens)
             entry["codecs"][codec] = r
             log(f"{name} {codec}: {r['bytes_per_token']:.1f} bytes/token ({r['shard_bytes_per_token']:.1f} in shard "
                 f"files), read {r['later_tok_s']:.3g} tok/s (first pass {r['first_tok_s']:.3g})")
@@ -149,12 +155,13 @@ def run_quality(args, preset: bf.Preset, out: Path) -> dict:
                                                               for key in ("parameters", "steps", "heldout_ce")},
                "vocab": bench.vocab, "topk": k, "samples": samples, "codecs": {}, "runs": {}}
     cache = f"top{k}"
+    tokens = student_tokens(bench, samples)
     for codec in args.codecs:
         path = bench.work / "caches" / f"{cache}-{codec}"
         with CacheWriter(path, vocab_size=bench.vocab, topk=k, seq_length=preset.seq_length, num_samples=samples,
                          micro_batch_size=preset.micro_batch_size, metadata=meta, codec=codec) as w:
             for sample, (ids, lps) in enumerate(pool):
-                w.write(sample, ids, lps)
+                w.write(sample, ids, lps, tokens=tokens[sample])
         results["codecs"][codec] = {"bytes_per_token": store_bytes(path) / (samples * preset.seq_length)}
         bench.caches[cache], bench.results["caches"][cache] = path, results["codecs"][codec]
         for tail in args.tails:

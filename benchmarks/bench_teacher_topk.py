@@ -235,12 +235,14 @@ def store_rate(args) -> None:
     print(f"store rate of {n} x {s} tokens, K {k}, V {vocab}; {len(os.sched_getaffinity(0))} CPU cores")
     for codec in args.codecs.split(","):
         ids, lps = synthetic_rows(n, s, k, vocab, sampled=codec == SAMPLED_COUNTS_V1)
+        tokens = torch.randint(0, vocab, (n, s), generator=torch.Generator().manual_seed(0))  # the ids read
         base = None
         for workers in counts:
             with tempfile.TemporaryDirectory() as tmp:
                 writer = _writer_of(codec, f"{tmp}/cache", vocab=vocab, k=k, seq=s, n=n,
                                     rows_per_shard=args.rows_per_shard)
-                encoded = [writer.encode(i, ids[i], lps[i]) for i in range(n)]  # as the GPU hands them over
+                # as the GPU hands them over
+                encoded = [writer.encode(i, ids[i], lps[i], tokens=tokens[i]) for i in range(n)]
                 wall, cpu = time.perf_counter(), time.process_time()
                 with WriteBehind(writer, workers=workers) as behind:
                     for e in encoded:

@@ -43,13 +43,14 @@ def _known(text: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from megatron_kd.cache import CacheWriter
+    from tests.fixtures.cache_store import sample_tokens
     from tests.fixtures.kd_inputs import teacher_topk
 
     cache = tmp_path_factory.mktemp("console") / "cache"
     with CacheWriter(cache, vocab_size=64, topk=4, seq_length=8, num_samples=2,
                      metadata={"tokenizer_fingerprint": "t", "dataset_fingerprint": "d"}) as w:
         for s in w.pending_samples():
-            w.write(int(s), *teacher_topk(8, 64, 4))
+            w.write(int(s), *teacher_topk(8, 64, 4), tokens=sample_tokens(s, seq=8, vocab=64))
     cases = {
         "plan": (PLAN, {}),
         "plan rank 1": (PLAN, {"RANK": "1"}),

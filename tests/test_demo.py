@@ -23,6 +23,7 @@ import pytest
 from megatron_kd.cache import CacheBusyError, CacheWriter
 from megatron_kd.demo import DemoConfig, check_memory, estimate_peak_bytes, open_cache_writer, run_demo
 from megatron_kd.errors import FlagError
+from tests.fixtures.cache_store import sample_tokens
 from tests.fixtures.kd_inputs import teacher_topk
 
 # a few seconds per run on 2 CPU cores: a few steps of one-layer models. Evaluation reads the whole
@@ -180,7 +181,7 @@ def test_demo_keeps_a_cache_another_writer_holds(tmp_path, seed):
     path = tmp_path / "c"
     holder = CacheWriter(path, **_PARAMS)
     for s in range(3):  # one whole shard on disk, the writer still open
-        holder.write(s, *teacher_topk(SEQ, VOCAB, K))
+        holder.write(s, *teacher_topk(SEQ, VOCAB, K), tokens=sample_tokens(s, seq=SEQ, vocab=VOCAB))
     before = _tree_bytes(path)
     with pytest.raises(CacheBusyError, match="another writer holds partition 0"):
         open_cache_writer(path, log=lambda _: None, **_PARAMS)
@@ -204,7 +205,7 @@ def test_demo_keeps_a_cache_it_cannot_write(tmp_path, monkeypatch):
     path = tmp_path / "c"
     with CacheWriter(path, **_PARAMS) as writer:
         for s in writer.pending_samples():
-            writer.write(int(s), *teacher_topk(SEQ, VOCAB, K))
+            writer.write(int(s), *teacher_topk(SEQ, VOCAB, K), tokens=sample_tokens(s, seq=SEQ, vocab=VOCAB))
     before = _tree_bytes(path)
 
     def not_writable(store, **_):  # what the writer raises on EROFS / ENOSPC (root ignores chmod here)

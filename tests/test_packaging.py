@@ -60,11 +60,12 @@ def test_dockerfile_copies_existing_files():
 
 def _tiny_cache(path: Path) -> Path:
     from megatron_kd.cache import CacheWriter
+    from tests.fixtures.cache_store import sample_tokens
 
     with CacheWriter(path, vocab_size=50, topk=4, seq_length=8, num_samples=2) as writer:
         for sample in writer.pending_samples():
             logprobs, ids = torch.log_softmax(torch.randn(8, 50), -1).topk(4, -1)
-            writer.write(int(sample), ids, logprobs)
+            writer.write(int(sample), ids, logprobs, tokens=sample_tokens(sample, seq=8, vocab=50))
     return path
 
 

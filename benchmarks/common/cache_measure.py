@@ -8,6 +8,8 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from megatron_kd.cache import CacheReader, CacheWriter
 from megatron_kd.cache.inspect import store_bytes
 
@@ -19,15 +21,18 @@ def shard_bytes(path: Path) -> int:
 
 
 def measure(path: Path, pool: list, *, vocab: int, k: int, seq_length: int, samples: int, rows_per_shard: int,
-            codec: str, draws: int = 0, repeats: int = 3) -> dict:
-    """Write ``samples`` samples (``pool`` reused cyclically) with ``codec``; bytes/token and rates."""
+            codec: str, draws: int = 0, repeats: int = 3, tokens=None) -> dict:
+    """Write ``samples`` samples (``pool`` reused cyclically) with ``codec``; bytes/token and rates.
+    ``tokens``: [len(pool), seq_length] the ids the teacher read for each pool entry (random ids if None)."""
     shutil.rmtree(path, ignore_errors=True)
     meta = {"mode": "sampled", "sampled_draws": draws} if draws else {}
+    if tokens is None:
+        tokens = torch.randint(0, vocab, (len(pool), seq_length), generator=torch.Generator().manual_seed(0))
     t0 = time.perf_counter()
     with CacheWriter(path, vocab_size=vocab, topk=k, seq_length=seq_length, num_samples=samples,
                      rows_per_shard=rows_per_shard, metadata=meta, codec=codec) as w:
         for s in range(samples):
-            w.write(s, *pool[s % len(pool)])
+            w.write(s, *pool[s % len(pool)], tokens=tokens[s % len(pool)])
     write_s = time.perf_counter() - t0
     tokens = samples * seq_length
     # per repeat: a fresh reader's first pass (each shard file checked against its binding record on

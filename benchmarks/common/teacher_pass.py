@@ -79,7 +79,7 @@ def time_teacher_pass(model, args, vocab: int, *, logits_forward_ms: float):
                 else:
                     keys = sample_row_keys(1234, torch.tensor([int(i)], device=device), s)
                     ids, lps = vocab_parallel_sample(hidden, weight, args.topk, row_keys=keys, vocab_size=vocab)
-                w.write(int(i), ids[:, 0], lps[:, 0])
+                w.write(int(i), ids[:, 0], lps[:, 0], tokens=x["tokens"])
 
         def behind(workers, interval, masked):
             def run(w, data):

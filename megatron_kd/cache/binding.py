@@ -8,12 +8,16 @@ in place and before its rows_done chunk:
 
     <path>/dp_00003/bindings/000012.json
     {"store_id": "9c1f...", "rank": 3, "shard": 12, "rows": [36, 39],
-     "files": {"ids":      {"path": "dp_00003/ids/c/12/0/0",      "bytes": 81234, "crc32c": "1a2b3c4d"},
-               "logprobs": {"path": "dp_00003/logprobs/c/12/0/0", "bytes": 40551, "crc32c": "5e6f7a8b"}}}
+     "files": {"ids":      {"path": "dp_00003/ids/c/12/0/0",      "bytes": 81234, "sha256": "3f9a...(32 hex)"},
+               "logprobs": {"path": "dp_00003/logprobs/c/12/0/0", "bytes": 40551, "sha256": "c41e...(32 hex)"}},
+     "tokens": [["5c0f...", "8e21..."], ["a4b1...", "03d9..."], null]}
+
+``tokens`` binds each row to the tokens its teacher read (tokens.py: the window's digest and its
+block digests; null for a row not written yet, in a shard a closed writer flushed part-way).
 
 ``store_id`` (meta.py) is the digest of the root metadata's identity, so a record copied along with
 its shard from a cache of another teacher, dataset or shape names another store; rank, shard, rows
-and paths pin the record to one place, and the size and CRC32C of each file's whole content pin the
+and paths pin the record to one place, and the size and SHA-256 of each file's whole content pin the
 file to the record. Everything in a record is derived from the data, so a resumed build writes the
 same bytes as an uninterrupted one. (Two builds with equal parameters are the same store: a shard
 copied between them carries the same rows, or its digest differs from the record it lands beside.)
@@ -21,8 +25,9 @@ copied between them carries the same rows, or its digest differs from the record
 Checks, from cheapest:
 - ``check_sizes``: the record exists, names this store / partition / shard / file, and each file is
   a regular file of the recorded size (stats only): training start-up, a resuming writer.
-- ``check_content``: that, plus each file's CRC32C (streamed through a small buffer: about 2% of
-  the CPU time zarr then spends decoding the file), computed on the first touch of a file by this
+- ``check_content``: that, plus each file's SHA-256 (streamed through a small buffer; not the CRC32C
+  of the file, which is the same for every file of one layout: store.checksum_regular), computed on
+  the first touch of a file by this
   process; afterwards a file whose (device, inode, size, mtime) are unchanged is not hashed again,
   so a DataLoader reading sample by sample pays one stat per shard file and read: the reader, verify.
 """
@@ -47,11 +52,12 @@ from megatron_kd.cache.store import (
     partition_name,
     stat_regular,
 )
+from megatron_kd.cache.tokens import valid_entry
 
 BINDINGS = "bindings"
 RECORD_NAME = re.compile(r"(\d{6,})\.json")
-_RECORD_KEYS = ("store_id", "rank", "shard", "rows", "files")
-_FILE_KEYS = ("path", "bytes", "crc32c")
+_RECORD_KEYS = ("store_id", "rank", "shard", "rows", "files", "tokens")
+_FILE_KEYS = ("path", "bytes", "sha256")
 
 
 class PartitionBindings:
@@ -64,10 +70,12 @@ class PartitionBindings:
         self.arrays = arrays  # "ids" / "logprobs" -> the partition's zarr array
         self.rows = arrays["ids"].shape[0]
         self.shard_rows = block_rows(arrays["ids"])
+        self.seq_length = arrays["ids"].shape[1]
         self.num_shards = -(-self.rows // self.shard_rows)
         self.dir = self.path / partition_name(rank) / BINDINGS
         self._limits = {name: block_limit(arr) for name, arr in arrays.items()}
         self._verified: set[tuple] = set()  # (file, device, inode, size, mtime_ns) whose content matched
+        self._tokens: dict[int, list] = {}  # shard -> its record's tokens, once loaded
 
     # ------------------------------------------------------------ places
     def record_file(self, shard: int) -> Path:
@@ -83,25 +91,31 @@ class PartitionBindings:
         return self.data_file(name, shard).relative_to(self.path).as_posix()
 
     # ------------------------------------------------------------ writing
-    def write(self, shard: int) -> None:
+    def write(self, shard: int, tokens: list) -> None:
         """Bind shard ``shard``: hash its data files as they are now on disk and write its record
-        (temporary file, then rename: a reader sees the old record or the new one, never a torn one)."""
+        (temporary file, then rename: a reader sees the old record or the new one, never a torn one).
+        ``tokens``: each row's [digest, blocks] (tokens.py), None for a row not written."""
         start, stop = self.shard_range(shard)
+        if len(tokens) != stop - start:
+            raise ValueError(f"shard {shard} has {stop - start} rows, got token digests for {len(tokens)}")
         files = {}
         for name in ARRAYS:
-            size, crc = checksum_regular(self.data_file(name, shard), self._limits[name])
-            files[name] = {"path": self._relative(name, shard), "bytes": size, "crc32c": crc}
-        record = {"store_id": self.store_id, "rank": self.rank, "shard": shard, "rows": [start, stop], "files": files}
+            size, digest = checksum_regular(self.data_file(name, shard), self._limits[name])
+            files[name] = {"path": self._relative(name, shard), "bytes": size, "sha256": digest}
+        record = {"store_id": self.store_id, "rank": self.rank, "shard": shard, "rows": [start, stop], "files": files,
+                  "tokens": list(tokens)}
         target = self.record_file(shard)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".partial")  # the writer's start-up sweep removes strays
         tmp.write_text(_canonical(record))
         os.replace(tmp, target)
+        self._tokens.pop(shard, None)
 
     def discard(self, shard: int) -> None:
         """Remove shard ``shard``'s record, then its data files: what is left of a shard that is not
         (or no longer) bound. Its rows must not be marked done any more."""
         self.record_file(shard).unlink(missing_ok=True)
+        self._tokens.pop(shard, None)
         for name in ARRAYS:
             self.data_file(name, shard).unlink(missing_ok=True)
 
@@ -135,13 +149,27 @@ class PartitionBindings:
             if entry["path"] != want:
                 raise CacheError(f"{file}: files.{name}.path is {entry['path']!r}, expected {want!r}; the record was "
                                  f"moved or copied from another place")
-            size, crc = entry["bytes"], entry["crc32c"]
+            size, digest = entry["bytes"], entry["sha256"]
             if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= self._limits[name]:
                 raise CacheError(f"{file}: files.{name}.bytes is {size!r}, expected an integer in "
                                  f"1..{self._limits[name]}")
-            if not isinstance(crc, str) or not re.fullmatch(r"[0-9a-f]{8}", crc):
-                raise CacheError(f"{file}: files.{name}.crc32c is {crc!r}, expected 8 lowercase hex digits")
+            if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{32}", digest):
+                raise CacheError(f"{file}: files.{name}.sha256 is {digest!r}, expected 32 lowercase hex digits")
+        tokens = record["tokens"]
+        if not isinstance(tokens, list) or len(tokens) != stop - start:
+            raise CacheError(f"{file}: tokens is not a list of {stop - start} rows' token digests")
+        for row, entry in enumerate(tokens, start):
+            if entry is not None and not valid_entry(entry, self.seq_length):
+                raise CacheError(f"{file}: tokens[{row - start}] (row {row}) is {str(entry)[:60]!r}, expected "
+                                 f"[16 hex digits, the block digests of a {self.seq_length}-token window] or null")
+        self._tokens[shard] = tokens
         return record
+
+    def tokens(self, shard: int) -> list:
+        """Shard ``shard``'s rows' [digest, blocks] (None: not written), from its record (loaded once)."""
+        if shard not in self._tokens:
+            self.load(shard)
+        return self._tokens[shard]
 
     def check_sizes(self, shard: int) -> dict:
         """The record of ``shard`` (checked as in ``load``) and its files' sizes: stats only."""
@@ -152,7 +180,7 @@ class PartitionBindings:
         return record
 
     def check_content(self, shard: int, names=ARRAYS) -> None:
-        """Shard ``shard``'s files ``names`` match its record in size and CRC32C; a file already
+        """Shard ``shard``'s files ``names`` match its record in size and SHA-256; a file already
         verified by this object and unchanged since (same device, inode, size, mtime) is not re-read."""
         record = None
         for name in names:
@@ -164,12 +192,12 @@ class PartitionBindings:
             if record is None:
                 record = self.load(shard)
             self._check_size(name, shard, record, None if st is None else st.st_size)
-            size, crc = checksum_regular(file, self._limits[name])
+            size, digest = checksum_regular(file, self._limits[name])
             self._check_size(name, shard, record, size)
-            want = record["files"][name]["crc32c"]
-            if crc != want:
+            want = record["files"][name]["sha256"]
+            if digest != want:
                 raise CacheError(f"{file}: content does not match its binding record {self.record_file(shard)} "
-                                 f"(crc32c {crc} vs {want}); the file was moved, replaced or copied from another "
+                                 f"(sha256 {digest} vs {want}); the file was moved, replaced or copied from another "
                                  f"cache")
             self._verified.add(key)
 

@@ -39,7 +39,7 @@ def _scan(reader: CacheReader, desc: str, progress: bool):
 
 def verify(path, *, progress: bool = True) -> dict:
     """Check metadata, every partition's metadata and rows_done, that every shard has its binding
-    record naming this store and its place and every shard file its recorded size and CRC32C, and
+    record naming this store and its place and every shard file its recorded size and SHA-256, and
     that every chunk of every partition, the last block included, decodes (CRC32C-checked).
 
     Raises CacheError with one line naming the file and the problem; returns a summary.

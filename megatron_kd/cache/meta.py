@@ -23,8 +23,11 @@ from megatron_kd.cache.codec import CacheError
 from megatron_kd.cache.encodings import CODECS, SAMPLED_COUNTS_V1, TOPK_V1, codec_of, encoding_field
 from megatron_kd.cache.layout import PartitionLayout
 
-# 2: shard binding records and store_id (a version-1 store has neither and is refused)
-SCHEMA_VERSION = 2
+# 2: shard binding records and store_id; 3: each row's token digests in its record (tokens.py).
+# A store of an older version is refused with what it lacks.
+SCHEMA_VERSION = 3
+_LACKS = {1: "no chunk binding (a shard moved or copied from another cache reads as this one's)",
+          2: "no digests of the tokens its teacher read (rows cannot be bound to a run's samples)"}
 ATTR_KEY = "megatron_kd"
 MODES = ("topk", "sampled")
 # How the teacher saw the documents packed into a sample: apart ("documents": Megatron-LM's
@@ -146,8 +149,7 @@ class CacheMeta:
                              f"{SCHEMA_VERSION} supported); upgrade megatron_kd to read it")
         if version < SCHEMA_VERSION:
             raise CacheError(f"{path}: {ATTR_KEY}.schema_version is {version}, expected {SCHEMA_VERSION}: schema_version "
-                             f"{version} has no chunk binding (a shard moved or copied from another cache reads as "
-                             f"this one's); rebuild the cache with this megatron_kd")
+                             f"{version} has {_LACKS.get(version, _LACKS[1])}; rebuild the cache with this megatron_kd")
         names = {f.name for f in fields(cls)}
         missing = [n for n in _COUNTS if n not in attrs and n != "sampled_draws"]
         if missing:

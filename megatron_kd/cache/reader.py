@@ -8,6 +8,8 @@ its binding record (binding.py: moved, swapped, copied from another cache) is a 
 it, never another sample's rows or fill values. The first read of a shard file in a process hashes
 it whole (CRC32C, several GB/s, and the file is then in the page cache for zarr); later reads of an
 unchanged file cost one stat. ``check_files`` is the cheap start-up form of the check (stats only).
+Each sample's binding record also holds the digests of the tokens its teacher read (tokens.py):
+``token_entries`` gives them, ``content_index`` finds samples by them.
 """
 
 from __future__ import annotations
@@ -130,6 +132,36 @@ class CacheReader:
                 bindings.check_sizes(int(shard))
                 checked += len(ARRAYS)
         return checked
+
+    def token_entries(self, samples) -> list:
+        """The [digest, blocks] of the tokens each sample's teacher read (tokens.py), from the binding
+        records (each loaded once, and already by ``check_files``); None for a sample not written."""
+        samples = self._in_range(samples)
+        ranks, rows = self.meta.layout.locate(samples)
+        out = []
+        for rank, row in zip(ranks.tolist(), rows.tolist()):
+            part = self._partition(rank)
+            shard_rows = part.bindings.shard_rows
+            out.append(part.bindings.tokens(row // shard_rows)[row % shard_rows] if part.done[row] else None)
+        return out
+
+    def content_index(self) -> dict[str, int]:
+        """Token digest -> the first written sample whose teacher read those tokens: how a run finds
+        the rows of its samples by their content (every binding record is loaded once)."""
+        index: dict[str, int] = {}
+        for rank in range(self.meta.dp_size):
+            part = self._partition(rank)
+            samples = self.meta.layout.samples_of(rank)
+            for shard in range(part.bindings.num_shards):
+                start, stop = part.bindings.shard_range(shard)
+                if not part.done[start:stop].any():
+                    continue
+                for row, entry in enumerate(part.bindings.tokens(shard), start):
+                    if entry is not None and part.done[row]:
+                        sample = int(samples[row])
+                        if index.setdefault(entry[0], sample) > sample:
+                            index[entry[0]] = sample
+        return index
 
     def read(self, sample_idx) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [n, seq_length, K] (-1 = padding) and float32 log-probs (-inf = padding) for the

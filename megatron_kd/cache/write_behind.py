@@ -72,10 +72,10 @@ class WriteBehind:
         self._buffered = 0
         self._failed = False  # a task raised: the ones after it store nothing
 
-    def submit(self, sample_idx, topk_ids, topk_logprobs) -> None:
+    def submit(self, sample_idx, topk_ids, topk_logprobs, *, tokens) -> None:
         """Encode samples on their device now (as ``CacheWriter.write`` takes them) and store them
         behind: a worker waits for their copy to the host and checks their entries."""
-        self.submit_encoded(self.writer.encode_async(sample_idx, topk_ids, topk_logprobs))
+        self.submit_encoded(self.writer.encode_async(sample_idx, topk_ids, topk_logprobs, tokens=tokens))
 
     def submit_encoded(self, encoded: EncodedSamples | PendingSamples) -> None:
         """Store samples that ``CacheWriter.encode`` (or ``encode_async``) encoded behind; waits

@@ -3,7 +3,8 @@
 Ranks write concurrently, each only its own partition group; the root zarr.json is created once
 with content every rank agrees on, and rewritten only by whichever rank completes the last
 partition. Samples are buffered until a shard's rows are all present, then the shard is written in
-one piece, then its binding record (binding.py: store, place, size and CRC32C of each file), and
+one piece, then its binding record (binding.py: store, place, size and SHA-256 of each file, the
+digests of the tokens each row's teacher read: tokens.py), and
 only then are its rows marked in ``rows_done`` (zarr writes each file under a temporary name and
 renames it into place; so does the record), so a row marked done is always on disk and bound, and a
 killed build loses at most the shards it was filling. Opening a writer again on the same path with
@@ -12,7 +13,7 @@ the finished store is byte-identical to an uninterrupted build.
 
 Resuming trusts rows_done only as far as the disk backs it: a shard whose rows are marked done but
 whose record is missing or names another store or place, or whose files are missing or not the
-recorded size (a partly written shard, rewritten on resume: not the recorded CRC32C either, the
+recorded size (a partly written shard, rewritten on resume: not the recorded SHA-256 either, the
 window between its data and its record), is not done. Its rows are un-marked (the partition's and
 the store's completion records first, then its rows_done chunk, then the record and the files), so
 ``pending_samples`` lists them again and writing them restores the store; ``repaired_samples`` and
@@ -48,6 +49,7 @@ from megatron_kd.cache.meta import ATTR_KEY, METADATA_KEYS, MODES, CacheMeta
 from megatron_kd.cache.store import (ARRAYS, DONE, LOCK_FILE, block_file, create_partition, default_rows_per_shard,
                                      open_partition, open_root, partition_attrs, partition_name, read_done,
                                      read_root_meta, read_rows, strict)
+from megatron_kd.cache.tokens import token_entries
 
 
 # zarr's temporary file names (<target>.<uuid hex>.partial) and the binding records' (<target>.partial)
@@ -122,6 +124,7 @@ class EncodedSamples:
     rows: np.ndarray  # [n] int64: the samples' rows in this partition
     ids: np.ndarray  # [n, seq_length, K]: the ids array's values
     values: np.ndarray  # [n, seq_length, K]: the logprobs array's values
+    tokens: list  # [n] [digest, blocks] of the tokens the teacher read (tokens.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +134,12 @@ class PendingSamples:
     rows: np.ndarray
     shape: tuple[int, int, int]
     pending: PendingRows
+    tokens: list
 
     def result(self) -> EncodedSamples:
         """The encoded samples; raises CacheError naming the first sample if their entries are bad."""
         ids, values = self.pending.result()
-        return EncodedSamples(self.rows, ids.reshape(self.shape), values.reshape(self.shape))
+        return EncodedSamples(self.rows, ids.reshape(self.shape), values.reshape(self.shape), self.tokens)
 
 
 class CacheWriter:
@@ -295,25 +299,27 @@ class CacheWriter:
         return int(row)
 
     # ---------------------------------------------------------------- writing
-    def write(self, sample_idx, topk_ids, topk_logprobs) -> int:
-        """Store samples: ``sample_idx`` an int with [seq_length, K] tensors, or n indices with
-        [n, seq_length, K]. Samples already on disk are skipped. Returns how many were new."""
-        return self.store(self.encode(sample_idx, topk_ids, topk_logprobs))
+    def write(self, sample_idx, topk_ids, topk_logprobs, *, tokens) -> int:
+        """Store samples: ``sample_idx`` an int with [seq_length, K] tensors and its [seq_length]
+        ``tokens`` (the ids the teacher read), or n indices with [n, seq_length, K] and [n, seq_length].
+        Samples already on disk are skipped. Returns how many were new."""
+        return self.store(self.encode(sample_idx, topk_ids, topk_logprobs, tokens=tokens))
 
     def _check_open(self) -> None:
         if self._lock is None:
             raise CacheError(f"{self.path / partition_name(self.rank)}: this writer is closed; open a new one "
                              f"to resume")
 
-    def encode(self, sample_idx, topk_ids, topk_logprobs) -> EncodedSamples:
-        """The first half of ``write``: check the samples (shape, partition, entries) and encode
-        them on the tensors' device, then copy to host. Touches no state: ``store`` may run on
-        another thread (write_behind.py) while the next micro-batch is encoded."""
-        return self.encode_async(sample_idx, topk_ids, topk_logprobs).result()
+    def encode(self, sample_idx, topk_ids, topk_logprobs, *, tokens) -> EncodedSamples:
+        """The first half of ``write``: check the samples (shape, partition, entries), digest their
+        tokens and encode them on the tensors' device, then copy to host. Touches no state:
+        ``store`` may run on another thread (write_behind.py) while the next micro-batch is encoded."""
+        return self.encode_async(sample_idx, topk_ids, topk_logprobs, tokens=tokens).result()
 
-    def encode_async(self, sample_idx, topk_ids, topk_logprobs) -> "PendingSamples":
+    def encode_async(self, sample_idx, topk_ids, topk_logprobs, *, tokens) -> "PendingSamples":
         """``encode`` without waiting for the tensors' device: the shapes and the partition are
-        checked now, the entries by ``PendingSamples.result`` once their copy has reached the host."""
+        checked and the tokens digested now (pass them from the host: a device tensor is copied
+        back), the entries checked by ``PendingSamples.result`` once their copy has reached the host."""
         self._check_open()
         indices = np.atleast_1d(np.asarray(sample_idx, dtype=np.int64))
         expect = (len(indices), self.meta.seq_length, self.meta.topk)
@@ -323,11 +329,15 @@ class CacheWriter:
             raise CacheError(f"sample {indices[0]}: topk_ids {tuple(topk_ids.shape)} / topk_logprobs "
                              f"{tuple(topk_logprobs.shape)} must be {expect} (seq_length={self.meta.seq_length}, "
                              f"K={self.meta.topk})")
+        if tuple(tokens.shape) != expect[:-1]:
+            raise CacheError(f"sample {indices[0]}: tokens {tuple(tokens.shape)} must be {expect[:-1]} (the ids the "
+                             f"teacher read, seq_length={self.meta.seq_length})")
         rows = np.array([self._row(int(sample)) for sample in indices], np.int64)
+        digests = token_entries(tokens.reshape(len(indices), self.meta.seq_length))
         pending = encode_rows(self.meta.codec, topk_ids, topk_logprobs, vocab_size=self.meta.vocab_size,
                               draws=self.meta.sampled_draws,
                               where=f"sample {indices[0]}{'..' if len(indices) > 1 else ''}: ")
-        return PendingSamples(rows, (len(indices), self.meta.seq_length, self.meta.topk), pending)
+        return PendingSamples(rows, (len(indices), self.meta.seq_length, self.meta.topk), pending, digests)
 
     def store(self, encoded: EncodedSamples) -> int:
         """The second half of ``write``: buffer encoded samples and write each shard they fill.
@@ -366,6 +376,7 @@ class CacheWriter:
                 buf = self._buffers[shard] = self._new_buffer(shard)
             local = row - shard * self.shard_rows
             buf["ids"][local], buf["logprobs"][local] = encoded.ids[i], encoded.values[i]
+            buf["tokens"][local] = encoded.tokens[i]
             if not buf["filled"][local]:
                 buf["filled"][local] = True
                 new += 1
@@ -383,9 +394,11 @@ class CacheWriter:
         shape = (stop - start, self.meta.seq_length, self.meta.topk)
         buf = {name: np.full(shape, spec.fill_value, spec.dtype) for name, spec in self.specs.items()}
         buf["filled"] = self.done[start:stop].copy()
+        buf["tokens"] = [None] * (stop - start)
         if buf["filled"].any():  # rows written by an earlier, interrupted run: rewrite the shard whole
             for name in ARRAYS:
                 buf[name][:] = read_rows(self.path, strict(self.arrays[name]), start, stop)
+            buf["tokens"] = list(self.bindings.load(shard)["tokens"])
         return buf
 
     def _flush(self, shard: int) -> None:
@@ -407,7 +420,7 @@ class CacheWriter:
             for local in np.flatnonzero(buf["filled"] & ~self.done[start:stop]):
                 for name in ARRAYS:
                     self.arrays[name][start + local] = buf[name][local]
-        self.bindings.write(shard)  # the files as they are on disk now
+        self.bindings.write(shard, buf["tokens"])  # the files as they are on disk now
         # rows_done after the data and its record: a row marked done is always on disk and bound
         self.done[start:stop] |= buf["filled"]
         self.group[DONE][start:stop] = self.done[start:stop].astype(np.uint8)

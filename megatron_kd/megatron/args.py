@@ -43,7 +43,8 @@ class KDConfig:
 
     cache: str | None = option(metavar="PATH")
     """The teacher cache to distill from (train), or to write (cache build): a Zarr store whose
-    vocabulary, sequence length, tokenizer and dataset fingerprints must match the run's."""
+    vocabulary, sequence length, tokenizer, packing and loss mask must match the run's; each of the
+    run's samples is found in it by its tokens."""
     weight: float = option(1.0, metavar="W", rule=Range(0))
     """Weight of the distillation term, multiplied by the temperature squared."""
     ce_weight: float = option(0.0, metavar="W", rule=Range(0))

@@ -53,6 +53,8 @@ def megatron_parser(prog: str = "megatron-kd") -> argparse.ArgumentParser:
 FOREIGN_FLAGS = {
     "--enable-gpt-oss": "--enable-gpt-oss is Megatron-LM's post-training flag: here GPT-OSS is its model flags "
                         "(examples/gpt_oss/gpt_oss.sh) or a GPT-OSS directory given to --kd-student-hf / --kd-teacher-hf",
+    "--export-force-local-attention": "--export-force-local-attention is Megatron-LM's export flag: here "
+                                      "megatron-kd export-hf writes the Hugging Face directory; drop it",
 }
 
 

@@ -148,7 +148,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
                           required_samples=consumed_train_samples(args),
                           packing=DocumentPacking.from_args(args, eod=tokenizer.eod).mode)
         print_rank_0(f"> distilling from {args.kd_cache}: K={train.meta.topk}, mode={train.meta.mode}, "
-                     f"{train.meta.num_samples} samples")
+                     f"{train.meta.num_samples} samples; the run's {len(train.rows)} found by their tokens in "
+                     f"{train.match_seconds:.1f} s ({train.relocated} at another index than their own)")
         if train.meta.mode == "sampled":
             print_rank_0("> teacher mass is 1 for a sampled cache (its draws' frequencies sum to 1); teacher "
                          "entries, the distinct tokens drawn per position, say how spread the teacher is")

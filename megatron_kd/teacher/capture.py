@@ -130,7 +130,8 @@ def capture_teacher(teacher, dataset, writer, cfg: CaptureConfig, *, device=None
             items = [dataset[int(s)] for s in samples]
             # nothing in this loop waits for the GPU: micro-batch i + 1's forward is queued while
             # micro-batch i's still runs
-            tokens = _to_device(np.stack([np.asarray(x["tokens"]) for x in items]), device)
+            host_tokens = np.stack([np.asarray(x["tokens"]) for x in items])
+            tokens = _to_device(host_tokens, device)
             position_ids = _to_device(np.stack([np.asarray(x["position_ids"]) for x in items]), device)
             hidden, weight = teacher(tokens, position_ids)  # [s, b, h]
             kept, kept_tokens = None, tokens.numel()
@@ -141,7 +142,7 @@ def capture_teacher(teacher, dataset, writer, cfg: CaptureConfig, *, device=None
             # [b, s, K], left on the device: the writer encodes (sorts, validates) them there
             ids, lps = ids.transpose(0, 1), lps.transpose(0, 1)
             if is_writer:
-                behind.submit(samples, ids, lps)
+                behind.submit(samples, ids, lps, tokens=host_tokens)
             tokens_done += kept_tokens
             mass_sum = mass_sum + lps.double().exp().sum()  # on the device: no sync per micro-batch
             elapsed = time.perf_counter() - start

@@ -1,16 +1,18 @@
 """Teacher cache: every shard bound to its store and its place; only regular files read; writer errors.
 
-1. a shard file swapped within a partition or between partitions, copied from another build of the
-   same shape or from another teacher's cache, or copied together with its binding record: verify,
+1. a shard file swapped within a partition or between partitions (of equal sizes too), copied from
+   another build of the same shape or from another teacher's cache, or copied together with its binding record: verify,
    the reader (read and prefetch), CacheReader.check_files and the CLI refuse, naming the file
 2. the store_id digest: deterministic, another teacher gives another, a changed field is caught; a
-   schema_version 1 store is refused with a line saying to rebuild it
+   schema_version 1 store, or a schema_version 2 one (no token digests), is refused with a line
+   saying to rebuild it
 3. rows_done ahead of the data (a shard deleted from a complete or an incomplete partition, a crash
    between a shard's data and its record): a resumed build rewrites those rows and ends byte-identical
 4. a FIFO or a /dev/zero link in place of a shard or a zarr.json: inspect and verify refuse at once
 5. a writer that cannot write (read-only store, a file where a folder belongs): one CacheError line
 """
 
+import dataclasses
 import json
 import os
 import resource
@@ -25,7 +27,8 @@ import pytest
 
 from megatron_kd.cache import CacheError, CacheReader, CacheWriteError, PartitionLayout
 from megatron_kd.cache.inspect import inspect, verify
-from tests.fixtures.cache_store import _cli_error, _raises_naming, _tree_bytes, _writer, build, sample_data
+from tests.fixtures.cache_store import (_cli_error, _raises_naming, _tree_bytes, _writer, build, sample_data,
+                                        sample_tokens)
 
 # as test_cache's integrity tests: 13 samples, dp 2, mbs 2, 3 rows per shard (partition 0: shards of
 # 3, 3, 1 rows; partition 1: 3, 3)
@@ -99,6 +102,20 @@ def test_shards_swapped_within_a_partition(store, seed, capsys, name):
     assert a.stat().st_size != b.stat().st_size  # so that stats alone (check_files) see it too
     _swap(a, b)
     _all_refuse(store, [a, b], np.concatenate([_samples_of(rank, 0), _samples_of(rank, 1)]), capsys)
+
+
+def test_shards_of_equal_size_swapped_are_refused_on_read(tmp_path):
+    # the topk-v1 fixture's two logprobs shards are 120 bytes each, and the CRC32C of either whole
+    # file (chunks that end with their own CRC32C) is the same value: only the records' SHA-256 tells
+    # them apart, on the first read of each
+    store = tmp_path / "store"
+    shutil.copytree(Path(__file__).parent / "data" / "topk_v1" / "store", store)
+    a, b = (store / "dp_00000" / "logprobs" / "c" / str(shard) / "0" / "0" for shard in (0, 1))
+    assert a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes()
+    _swap(a, b)
+    CacheReader(store).check_files()  # stats only: the sizes agree
+    for samples in ([0], [2], [0, 1, 2]):
+        _raises_naming(a if samples != [2] else b, CacheReader(store).read, samples)
 
 
 @pytest.mark.parametrize("name", ["ids", "logprobs"])
@@ -190,6 +207,27 @@ def test_schema_version_1_is_refused(store):
             fn(store)
 
 
+def test_schema_version_2_is_refused(store):
+    """A store of before the token digests (its binding records without "tokens") is refused, not
+    read with rows bound to no tokens."""
+    root_json = store / "zarr.json"
+    doc = json.loads(root_json.read_text())
+    attrs = doc["attributes"]["megatron_kd"]
+    attrs["schema_version"] = 2
+    attrs["store_id"] = dataclasses.replace(CacheReader(store).meta, schema_version=2).store_id
+    root_json.write_text(json.dumps(doc))
+    for record in store.glob("dp_*/bindings/*.json"):
+        fields = json.loads(record.read_text())
+        del fields["tokens"]
+        record.write_text(json.dumps(fields))
+    for fn in (CacheReader, lambda p: verify(p, progress=False), lambda p: inspect(p, progress=False),
+               lambda p: _writer(p, 0)):
+        _raises_naming(root_json, fn, store)
+        with pytest.raises(CacheError, match="schema_version 2 has no digests of the tokens its teacher read .*; "
+                                             "rebuild the cache with this megatron_kd"):
+            fn(store)
+
+
 # ------------------------------------------------------------------------------------------------------
 # rows_done ahead of the data
 
@@ -201,7 +239,7 @@ def _resume(path) -> dict:
         with _writer(path, rank) as w:
             repaired[rank] = w.repaired_samples.tolist()
             for s in w.pending_samples():
-                w.write(int(s), *sample_data(int(s), 0))
+                w.write(int(s), *sample_data(int(s), 0), tokens=sample_tokens(int(s)))
     return repaired
 
 
@@ -227,7 +265,7 @@ def test_resume_rewrites_a_deleted_shard_of_an_incomplete_partition(templates, t
     first = _LAYOUT.samples_of(1)[:4]  # shard 0 whole and one row of shard 1 (flushed by close)
     w = _writer(path, 1)
     for s in first:
-        w.write(int(s), *sample_data(int(s), 0))
+        w.write(int(s), *sample_data(int(s), 0), tokens=sample_tokens(int(s)))
     assert w.close() is False
     name = str(np.random.default_rng(seed).choice(["ids", "logprobs"]))
     _shard(path, 1, name, 0).unlink()
@@ -245,7 +283,8 @@ def test_crash_between_a_shards_data_and_its_record(templates, tmp_path, seed):
     build(path, num_samples=_N, dp_size=_DP, mbs=_MBS, rows_per_shard=_ROWS, ranks=[0], **_META)
     samples = _LAYOUT.samples_of(1)
     w = _writer(path, 1)
-    w.write(int(samples[3]), *sample_data(int(samples[3]), 0))  # one row of shard 1
+    s = int(samples[3])  # one row of shard 1
+    w.write(s, *sample_data(s, 0), tokens=sample_tokens(s))
     assert w.close() is False
 
     class Crash(Exception):
@@ -253,11 +292,11 @@ def test_crash_between_a_shards_data_and_its_record(templates, tmp_path, seed):
 
     with pytest.raises(Crash):
         with _writer(path, 1) as w:
-            def crash(shard):
+            def crash(shard, tokens):
                 raise Crash
             w.bindings.write = crash
             for s in samples[3:6]:  # completes shard 1: rewritten whole, then the crash
-                w.write(int(s), *sample_data(int(s), 0))
+                w.write(int(s), *sample_data(int(s), 0), tokens=sample_tokens(int(s)))
     record = json.loads(_record(path, 1, 1).read_text())
     assert record["files"]["ids"]["bytes"] != _shard(path, 1, "ids", 1).stat().st_size  # apart
     repaired = _resume(path)
@@ -364,10 +403,11 @@ def test_writer_cannot_write_where_a_folder_is_a_file(tmp_path):
     shutil.rmtree(bindings, ignore_errors=True)
     bindings.write_bytes(b"")  # where the shard's record goes
     samples = _LAYOUT.samples_of(1)
-    w.write(int(samples[0]), *sample_data(int(samples[0]), 0))
+    s = int(samples[0])
+    w.write(s, *sample_data(s, 0), tokens=sample_tokens(s))
     with pytest.raises(CacheWriteError) as info:
         for s in samples[1:3]:  # the shard's last row: data, then the record, which cannot be written
-            w.write(int(s), *sample_data(int(s), 0))
+            w.write(int(s), *sample_data(int(s), 0), tokens=sample_tokens(int(s)))
     msg = str(info.value)
     assert "\n" not in msg and str(bindings) in msg and "cannot write" in msg, msg
     w._unlock()

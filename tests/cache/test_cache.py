@@ -36,7 +36,7 @@ from megatron_kd.cache.encodings import TOPK_V1, default_codec
 from megatron_kd.cache.inspect import inspect, verify
 from megatron_kd.cli import main as cli_main
 from tests.fixtures.cache_store import (_DP, _MBS, _META, _N, _ROWS, K, SEQ, VOCAB, _cli_error, _raises_naming,
-                                        _tree_bytes, _writer, build, sample_data)
+                                        _tree_bytes, _writer, build, sample_data, sample_tokens)
 from tests.fixtures.codec_bounds import assert_within_codec
 from tests.fixtures.kd_inputs import encode_topk_v1, teacher_topk
 
@@ -104,12 +104,12 @@ def test_two_processes_write_concurrently(tmp_path, seed):
 
 _KILL_CHILD = textwrap.dedent("""
     import time
-    from tests.fixtures.cache_store import build, sample_data
+    from tests.fixtures.cache_store import build, sample_data, sample_tokens
     from megatron_kd.cache import CacheWriter
     with CacheWriter({path!r}, vocab_size={vocab}, topk={k}, seq_length={seq}, num_samples={n},
                      dp_size=2, dp_rank=1, micro_batch_size=2, rows_per_shard=3) as w:
         for s in w.pending_samples():
-            w.write(int(s), *sample_data(int(s), 0))
+            w.write(int(s), *sample_data(int(s), 0), tokens=sample_tokens(int(s)))
             print("wrote", int(s), flush=True)
             time.sleep(0.05)
 """)
@@ -147,13 +147,13 @@ def test_resume_after_close_with_partial_shard(tmp_path, seed):
     path = tmp_path / "early"
     w = CacheWriter(path, vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=n, rows_per_shard=4)
     for s in range(6):
-        w.write(s, *sample_data(s, 0))
+        w.write(s, *sample_data(s, 0), tokens=sample_tokens(s))
     assert w.close() is False
     w = CacheWriter(path, vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=n, rows_per_shard=4)
     assert w.pending_samples().tolist() == [6, 7, 8, 9]
-    assert w.write(3, *sample_data(3, 0)) == 0  # already on disk: skipped
+    assert w.write(3, *sample_data(3, 0), tokens=sample_tokens(3)) == 0  # already on disk: skipped
     for s in w.pending_samples():
-        w.write(int(s), *sample_data(int(s), 0))
+        w.write(int(s), *sample_data(int(s), 0), tokens=sample_tokens(int(s)))
     assert w.close() is True
     assert _tree_bytes(path) == _tree_bytes(tmp_path / "ref")
 
@@ -181,22 +181,24 @@ def test_repartitioned_read(tmp_path, seed):
 def test_writer_rejects_bad_entries(tmp_path, seed):
     w = CacheWriter(tmp_path / "c", vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=4)
     ids, lps = sample_data(1, 0)
+    tokens = sample_tokens(1)
     cases = []
-    bad = ids.clone(); bad[3, 0] = VOCAB; cases.append(("id 3001", bad, lps))
-    bad = ids.clone(); bad[3, 0] = -5; cases.append(("id -5", bad, lps))
-    bad = ids.clone(); bad[3, 1] = bad[3, 0]; cases.append(("repeats an id", bad, lps))
-    bad = lps.clone(); bad[4, 2] = float("nan"); cases.append(("NaN", ids, bad))
-    bad = lps.clone(); bad[4, 2] = float("inf"); cases.append((r"\+inf", ids, bad))
-    bad = lps.clone(); bad[4, 2] = 0.5; cases.append(("<= 0", ids, bad))
-    cases.append(("must be", ids[:-1], lps[:-1]))  # seq_length mismatch
-    for match, i, lp in cases:
+    bad = ids.clone(); bad[3, 0] = VOCAB; cases.append(("id 3001", bad, lps, tokens))
+    bad = ids.clone(); bad[3, 0] = -5; cases.append(("id -5", bad, lps, tokens))
+    bad = ids.clone(); bad[3, 1] = bad[3, 0]; cases.append(("repeats an id", bad, lps, tokens))
+    bad = lps.clone(); bad[4, 2] = float("nan"); cases.append(("NaN", ids, bad, tokens))
+    bad = lps.clone(); bad[4, 2] = float("inf"); cases.append((r"\+inf", ids, bad, tokens))
+    bad = lps.clone(); bad[4, 2] = 0.5; cases.append(("<= 0", ids, bad, tokens))
+    cases.append(("must be", ids[:-1], lps[:-1], tokens))  # seq_length mismatch
+    cases.append(("tokens .* must be", ids, lps, tokens[:-1]))  # tokens of another length
+    for match, i, lp, tok in cases:
         with pytest.raises(CacheError, match=match):
-            w.write(1, i, lp)
+            w.write(1, i, lp, tokens=tok)
     with pytest.raises(CacheError, match="outside"):
-        w.write(4, ids, lps)
+        w.write(4, ids, lps, tokens=tokens)
     w2 = CacheWriter(tmp_path / "d", vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=4, dp_size=2, dp_rank=0)
     with pytest.raises(CacheError, match="rank 1's partition"):
-        w2.write(1, ids, lps)
+        w2.write(1, ids, lps, tokens=tokens)
 
 
 @pytest.mark.parametrize("field, value", [("vocab_size", VOCAB + 1), ("topk", K + 1), ("seq_length", SEQ + 1),
@@ -225,7 +227,7 @@ def test_reader_errors(tmp_path, seed):
     # a sample that was never written (store opened for inspection while incomplete)
     w = CacheWriter(tmp_path / "p", vocab_size=VOCAB, topk=K, seq_length=SEQ, num_samples=6, rows_per_shard=2)
     for s in (0, 1):
-        w.write(s, *sample_data(s, 0))
+        w.write(s, *sample_data(s, 0), tokens=sample_tokens(s))
     with pytest.raises(CacheError, match="sample 4 .*never written"):
         CacheReader(tmp_path / "p", allow_incomplete=True).read([0, 1, 4])
 
@@ -325,9 +327,17 @@ def test_training_startup_checks_every_shard_it_will_read(store, seed, monkeypat
 
     import megatron_kd.megatron.kd_data as kd_data
 
+    class Samples:  # the run's samples: the tokens the store's teacher read
+        config = SimpleNamespace(sequence_length=SEQ)
+
+        def __len__(self):
+            return _N
+
+        def __getitem__(self, j):
+            return {"tokens": sample_tokens(j)}
+
     monkeypatch.setattr(kd_data, "tokenizer_fingerprint", lambda tok: _META["tokenizer_fingerprint"])
-    monkeypatch.setattr(kd_data, "dataset_fingerprint", lambda dataset: _META["dataset_fingerprint"])
-    base = SimpleNamespace(config=SimpleNamespace(sequence_length=SEQ))
+    base = Samples()
     tok = SimpleNamespace(vocab_size=VOCAB)
     rng = np.random.default_rng(seed)
     rank, name = int(rng.integers(_DP)), str(rng.choice(["ids", "logprobs"]))
@@ -417,11 +427,11 @@ def test_one_writer_per_partition(tmp_path, seed):
         child.send_signal(signal.SIGKILL)
         child.wait()
     for s in first.pending_samples():
-        first.write(int(s), *sample_data(int(s), 0))
+        first.write(int(s), *sample_data(int(s), 0), tokens=sample_tokens(int(s)))
     first.close()
     with _writer(path, 1) as w:  # the killed child's lock went with it
         for s in w.pending_samples():
-            w.write(int(s), *sample_data(int(s), 0))
+            w.write(int(s), *sample_data(int(s), 0), tokens=sample_tokens(int(s)))
     with _writer(path, 0) as again:  # closed writers release their lock
         assert len(again.pending_samples()) == 0
     assert verify(path, progress=False)["ok"]
@@ -430,7 +440,7 @@ def test_one_writer_per_partition(tmp_path, seed):
 _CRASH_CHILD = textwrap.dedent("""
     import os, signal
     import zarr.storage._local as local
-    from tests.fixtures.cache_store import _writer, sample_data
+    from tests.fixtures.cache_store import _writer, sample_data, sample_tokens
 
     # zarr writes each file under a temporary name, then renames it into place: crash just before
     # or just after the rename of the target (the rows_done chunk of one shard)
@@ -447,7 +457,7 @@ _CRASH_CHILD = textwrap.dedent("""
     local._move_with_retry = crash_at_target
     with _writer({path!r}, 1) as w:
         for s in w.pending_samples():
-            w.write(int(s), *sample_data(int(s), 0))
+            w.write(int(s), *sample_data(int(s), 0), tokens=sample_tokens(int(s)))
 """)
 
 
@@ -535,7 +545,8 @@ def test_partition_map_is_megatron_sampler_order(tmp_path, seed, drop_last):
         order = [s for batch in MegatronPretrainingSampler(n, 0, mbs, rank, dp, drop_last=False) for s in batch]
         assert w.pending_samples().tolist() == order
         for i, s in enumerate(order):
-            w.write(s, torch.tensor([[s % 49, 49]] * 4), torch.full((4, 2), -1.0))
+            w.write(s, torch.tensor([[s % 49, 49]] * 4), torch.full((4, 2), -1.0),
+                    tokens=sample_tokens(s, seq=4, vocab=50))
             # each shard reaches the disk as soon as its last row arrives: rows are appended in order
             flushed = len(order) if i + 1 == len(order) else (i + 1) // shard_rows * shard_rows
             assert w.pending_samples().tolist() == order[flushed:]

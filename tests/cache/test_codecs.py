@@ -3,8 +3,9 @@
 1. sampled-counts-v1 round trips ids and counts exactly (chunk level, including tokens without
    entries, K >= 256 and more than 256 draws; and through the writer and reader)
 2. topk-v2 keeps topk-v1's precision (its decoded log-probs are topk-v1's, bit for bit)
-3. a topk-v1 store written before the codecs existed (tests/cache/data/topk_v1) reads exactly, and
-   this version writes the same bytes when told topk-v1 or when resuming such a store
+3. a topk-v1 store (tests/cache/data/topk_v1: its shard files are those written before the codecs
+   existed, its records those of schema 3) reads exactly, and this version writes the same bytes
+   when told topk-v1 or when resuming such a store
 4. a store naming an unknown codec, or whose arrays hold another codec, is refused with one line
 5. resumed builds with the new codecs are byte-identical to uninterrupted ones
 6. bytes/token of sampled-counts-v1 and topk-v2 on synthetic Zipf data stay below a bound
@@ -26,6 +27,8 @@ from megatron_kd.cache.codec import PAD_CODE, decode_topk
 from megatron_kd.cache.encodings import TOPK_V1_ENCODING, default_codec
 from megatron_kd.cache.inspect import inspect, store_bytes, verify
 from megatron_kd.cache.streams import pack_streams, plane_streams, read_planes, unpack_streams
+from megatron_kd.cache.tokens import sample_digest
+from tests.fixtures.cache_store import sample_tokens
 from tests.fixtures.kd_inputs import encode_topk_v1, sampled_rows, teacher_topk
 
 FIXTURE = Path(__file__).parent / "data" / "topk_v1"
@@ -68,7 +71,7 @@ def test_sampled_cache_round_trips_ids_and_counts(tmp_path, seed):
     with CacheWriter(tmp_path / "c", vocab_size=vocab, topk=draws, seq_length=seq, num_samples=n, rows_per_shard=2,
                      metadata=meta) as w:
         for s, (ids, lps) in enumerate(data):
-            w.write(s, ids, lps)
+            w.write(s, ids, lps, tokens=sample_tokens(s, seq=seq, vocab=vocab))
     reader = CacheReader(tmp_path / "c")
     assert reader.meta.codec == "sampled-counts-v1" and reader.meta.encoding == {"codec": "sampled-counts-v1"}
     got_ids, got_lps = reader.read(np.arange(n))
@@ -88,7 +91,7 @@ def test_sampled_writer_refuses_log_probs_that_are_not_counts(tmp_path):
     ids, lps = teacher_topk(4, 100, 8)  # top-K log-probs, not log(count / 8)
     with CacheWriter(tmp_path / "c", vocab_size=100, topk=8, seq_length=4, num_samples=1, metadata=meta) as w:
         with pytest.raises(CacheError) as e:
-            w.write(0, ids, lps)
+            w.write(0, ids, lps, tokens=sample_tokens(0, seq=4, vocab=100))
     message = str(e.value)
     assert "\n" not in message and "sample 0" in message and "log(count / 8)" in message and "topk-v2" in message
     with pytest.raises(ValueError, match="stores draw counts"):
@@ -107,7 +110,7 @@ def test_topk_v2_decodes_topk_v1_values(tmp_path, seed):
     ids[3], lps[3] = -1, float("-inf")
     v1_ids, v1_lps = decode_topk(*encode_topk_v1(ids, lps, vocab))
     with CacheWriter(tmp_path / "c", vocab_size=vocab, topk=k, seq_length=seq, num_samples=1, codec="topk-v2") as w:
-        w.write(0, ids, lps)
+        w.write(0, ids, lps, tokens=sample_tokens(0, seq=seq, vocab=vocab))
     reader = CacheReader(tmp_path / "c")
     assert reader.meta.codec == "topk-v2"
     got_ids, got_lps = reader.read(0)
@@ -153,36 +156,37 @@ def test_streams_compressed_at_once_are_the_serial_bytes(seed, monkeypatch):
 # ---------------------------------------------------------------- 3. topk-v1 stores of before
 def _fixture_inputs():
     data = np.load(FIXTURE / "inputs.npz")
-    return torch.from_numpy(data["ids"]), torch.from_numpy(data["lps"])
+    return torch.from_numpy(data["ids"]), torch.from_numpy(data["lps"]), data["tokens"]
 
 
 def test_topk_v1_store_of_before_reads_exactly(tmp_path):
-    ids, lps = _fixture_inputs()
+    ids, lps, tokens = _fixture_inputs()
     reader = CacheReader(FIXTURE / "store")
     assert reader.meta.codec == "topk-v1" and reader.meta.encoding == TOPK_V1_ENCODING
-    assert reader.meta.store_id == "c02096733f82d4702ed28abf08b27029"  # the digest of before
+    assert reader.meta.store_id == "99efd5aad0d858e928030dd47b517aca"  # the digest of before
     got_ids, got_lps = reader.read(np.arange(3))
     want_ids, want_lps = decode_topk(*encode_topk_v1(ids, lps, 50))
     assert torch.equal(got_ids, want_ids) and torch.equal(got_lps, want_lps)
+    assert [entry[0] for entry in reader.token_entries(np.arange(3))] == [sample_digest(t) for t in tokens]
     assert verify(FIXTURE / "store", progress=False)["ok"]
     assert inspect(FIXTURE / "store", progress=False)["codec"] == "topk-v1"
 
 
 def test_topk_v1_is_written_as_before(tmp_path):
-    ids, lps = _fixture_inputs()
+    ids, lps, tokens = _fixture_inputs()
     kw = dict(vocab_size=50, topk=4, seq_length=5, num_samples=3, rows_per_shard=2,
               metadata={"teacher_fingerprint": "fixture"})
     with CacheWriter(tmp_path / "told", codec="topk-v1", **kw) as w:
-        w.write(np.arange(3), ids, lps)
+        w.write(np.arange(3), ids, lps, tokens=tokens)
     assert _tree_bytes(tmp_path / "told") == _tree_bytes(FIXTURE / "store")
     # a build begun as topk-v1 resumes as topk-v1 when no codec is named
     w = CacheWriter(tmp_path / "resumed", codec="topk-v1", **kw)
-    w.write(0, ids[0], lps[0])
+    w.write(0, ids[0], lps[0], tokens=tokens[0])
     w.close()
     with CacheWriter(tmp_path / "resumed", **kw) as w:
         assert w.meta.codec == "topk-v1"
         for s in w.pending_samples():
-            w.write(int(s), ids[s], lps[s])
+            w.write(int(s), ids[s], lps[s], tokens=tokens[s])
     assert _tree_bytes(tmp_path / "resumed") == _tree_bytes(FIXTURE / "store")
     with pytest.raises(CacheError, match="encoding"):  # told another codec than the store's: one line
         CacheWriter(tmp_path / "resumed", codec="topk-v2", **kw)
@@ -214,7 +218,7 @@ def test_unknown_codec_is_refused_with_one_line(tmp_path, capsys, encoding, name
 def test_array_of_another_codec_is_refused(tmp_path):
     kw = dict(vocab_size=100, topk=8, seq_length=4, num_samples=1, metadata={"mode": "sampled", "sampled_draws": 8})
     with CacheWriter(tmp_path / "c", **kw) as w:
-        w.write(0, *sampled_rows(4, 100, 8, zipf=1.0, generator=_gen(0)))
+        w.write(0, *sampled_rows(4, 100, 8, zipf=1.0, generator=_gen(0)), tokens=sample_tokens(0, seq=4, vocab=100))
     array = tmp_path / "c" / "dp_00000" / "logprobs" / "zarr.json"
     array.write_text(array.read_text().replace('"draws": 8', '"draws": 9'))
     with pytest.raises(CacheError) as e:
@@ -234,16 +238,17 @@ def test_resumed_build_is_byte_identical(tmp_path, seed, mode):
         data = [teacher_topk(seq, vocab, k, zipf=1.0) for _ in range(n)]
         meta = {}
     kw = dict(vocab_size=vocab, topk=k, seq_length=seq, num_samples=n, rows_per_shard=4, metadata=meta)
+    tokens = sample_tokens(range(n), seq=seq, vocab=vocab)
     with CacheWriter(tmp_path / "ref", **kw) as w:
         for s in range(n):
-            w.write(s, *data[s])
+            w.write(s, *data[s], tokens=tokens[s])
     w = CacheWriter(tmp_path / "early", **kw)
     for s in (0, 1, 2, 3, 4, 6):  # one shard whole, one in part
-        w.write(s, *data[s])
+        w.write(s, *data[s], tokens=tokens[s])
     assert w.close() is False
     with CacheWriter(tmp_path / "early", **kw) as w:
         for s in w.pending_samples():
-            w.write(int(s), *data[int(s)])
+            w.write(int(s), *data[int(s)], tokens=tokens[s])
     assert _tree_bytes(tmp_path / "early") == _tree_bytes(tmp_path / "ref")
     assert CacheReader(tmp_path / "ref").meta.codec == default_codec(mode)  # the writer's default
 
@@ -267,7 +272,7 @@ def test_bytes_per_token_on_synthetic_zipf_data(tmp_path):
         with CacheWriter(path, vocab_size=vocab, topk=k, seq_length=seq, num_samples=n, metadata=meta,
                          codec=codec) as w:
             for s in range(n):
-                w.write(s, *rows[mode][s])
+                w.write(s, *rows[mode][s], tokens=sample_tokens(s, seq=seq, vocab=vocab))
         data = sum(p.stat().st_size for p in path.rglob("c/*/0/0") if p.is_file())  # the shard files
         sizes[name] = (store_bytes(path) / (n * seq), data / (n * seq))
     assert sizes["sampled"][1] < 17.5 and sizes["sampled"][1] < 0.5 * sizes["sampled-v1"][1], sizes

@@ -26,6 +26,7 @@ from megatron_kd.cache import entry_codecs as ec
 from megatron_kd.cache.encodings import probability_levels
 from megatron_kd.cache.inspect import inspect, verify
 from megatron_kd.ops import topk_kl_reference
+from tests.fixtures.cache_store import sample_tokens
 from tests.fixtures.codec_bounds import topk_v3_bound
 from tests.fixtures.kd_inputs import sampled_rows, teacher_topk
 
@@ -103,7 +104,7 @@ def _write(path, data, *, k, seq, vocab, codec="topk-v3", rows_per_shard=2, only
     w = CacheWriter(path, vocab_size=vocab, topk=k, seq_length=seq, num_samples=len(data),
                     rows_per_shard=rows_per_shard, codec=codec)
     for s in (range(len(data)) if only is None else only):
-        w.write(s, *data[s])
+        w.write(s, *data[s], tokens=sample_tokens(s, seq=seq, vocab=vocab))
     return w.close()
 
 
@@ -136,7 +137,7 @@ def test_decoded_rows_code_back_to_the_same_bytes(tmp_path, seed):
     w = CacheWriter(tmp_path / "c", vocab_size=vocab, topk=k, seq_length=seq, num_samples=n, rows_per_shard=2)
     assert w.meta.codec == "topk-v3"  # a store keeps its codec
     for s in w.pending_samples():
-        w.write(int(s), *data[int(s)])
+        w.write(int(s), *data[int(s)], tokens=sample_tokens(s, seq=seq, vocab=vocab))
     assert w.close() and _tree(tmp_path / "c") == _tree(tmp_path / "a")
     summary = inspect(tmp_path / "a", progress=False)
     assert summary["codec"] == "topk-v3" and 0 < summary["bytes_per_token"] < 6 * k
@@ -249,7 +250,7 @@ def test_stores_of_the_other_codecs_still_read(tmp_path, seed):
     w = CacheWriter(tmp_path / "s", vocab_size=vocab, topk=k, seq_length=seq, num_samples=3, rows_per_shard=2,
                     metadata={"mode": "sampled", "sampled_draws": k})
     for s, (i, l) in enumerate(draws):
-        w.write(s, i, l)
+        w.write(s, i, l, tokens=sample_tokens(s, seq=seq, vocab=vocab))
     assert w.close()
     s_ids, s_lps = CacheReader(tmp_path / "s").read(np.arange(3))
     assert torch.equal(s_ids, torch.stack([d[0] for d in draws]).int())

@@ -22,7 +22,7 @@ import torch
 
 from megatron_kd.cache import CacheError, CacheWriteError, CacheWriter
 from megatron_kd.cache.write_behind import MAX_DEFAULT_WORKERS, WriteBehind, default_workers
-from tests.fixtures.cache_store import K, SEQ, VOCAB, _tree_bytes, sample_data
+from tests.fixtures.cache_store import K, SEQ, VOCAB, _tree_bytes, sample_data, sample_tokens
 from tests.fixtures.kd_inputs import sampled_rows
 
 N, DP, MBS, ROWS = 17, 2, 2, 3
@@ -52,14 +52,20 @@ def _micro_batches(writer: CacheWriter, mbs: int, seed: int = 0, codec=None):
     for i in range(0, len(pending), mbs):
         samples = pending[i:i + mbs]
         data = [_rows(int(s), seed, codec) for s in samples]
-        yield samples, torch.stack([d[0] for d in data]), torch.stack([d[1] for d in data])
+        ids, lps = torch.stack([d[0] for d in data]), torch.stack([d[1] for d in data])
+        yield samples, ids, lps, sample_tokens(samples, seed)
+
+
+def _submit(behind: WriteBehind, batch) -> None:
+    samples, ids, lps, tokens = batch
+    behind.submit(samples, ids, lps, tokens=tokens)
 
 
 def _serial(path, codec=None, seed=0) -> dict:
     for rank in range(DP):
         with _open(path, rank, codec) as writer:
-            for samples, ids, lps in _micro_batches(writer, MBS, seed, codec):
-                writer.write(samples, ids, lps)
+            for samples, ids, lps, tokens in _micro_batches(writer, MBS, seed, codec):
+                writer.write(samples, ids, lps, tokens=tokens)
     return _tree_bytes(path)
 
 
@@ -70,8 +76,8 @@ def test_same_bytes_as_inline_writes(tmp_path, depth, mbs, workers):
     for rank in range(DP):
         writer = _open(path, rank)
         with WriteBehind(writer, depth=depth, workers=workers) as behind:
-            for samples, ids, lps in _micro_batches(writer, mbs):
-                behind.submit(samples, ids, lps)
+            for batch in _micro_batches(writer, mbs):
+                _submit(behind, batch)
         assert writer.close()
     assert _tree_bytes(path) == reference
 
@@ -84,7 +90,7 @@ def test_parallel_stores_write_the_serial_bytes_of_each_codec(tmp_path, codec):
         writer = _open(path, rank, codec)
         with WriteBehind(writer, workers=3) as behind:
             for batch in _micro_batches(writer, 1, codec=codec):
-                behind.submit(*batch)
+                _submit(behind, batch)
         assert writer.close()
     assert _tree_bytes(path) == reference
 
@@ -117,7 +123,7 @@ def test_shards_finishing_out_of_order_mark_only_their_own_rows(tmp_path, monkey
     seen = _hold_shard_until_next_is_bound(writer, monkeypatch)
     with WriteBehind(writer, workers=3) as behind:
         for batch in _micro_batches(writer, 1):
-            behind.submit(*batch)
+            _submit(behind, batch)
     assert writer.close()
     # while shard 0 was still being written, shard 1's rows were done and bound, shard 0's not
     assert seen["done"][:2 * ROWS].tolist() == [False] * ROWS + [True] * ROWS
@@ -135,7 +141,7 @@ def test_an_interrupted_parallel_pass_resumes_to_the_same_bytes(tmp_path, monkey
     with pytest.raises(RuntimeError, match="the pass died here"):
         with WriteBehind(writer, workers=3) as behind:
             for batch in _micro_batches(writer, 1):
-                behind.submit(*batch)
+                _submit(behind, batch)
             behind.drain()
     writer._unlock()
     again = _open(path, 0)
@@ -143,12 +149,12 @@ def test_an_interrupted_parallel_pass_resumes_to_the_same_bytes(tmp_path, monkey
     assert np.isin(again.samples[:ROWS], pending).all() and not np.isin(again.samples[ROWS:2 * ROWS], pending).any()
     with WriteBehind(again, workers=3) as behind:
         for batch in _micro_batches(again, 1):
-            behind.submit(*batch)
+            _submit(behind, batch)
     assert again.close()
     other = _open(path, 1)
     with WriteBehind(other, workers=2) as behind:
         for batch in _micro_batches(other, 2):
-            behind.submit(*batch)
+            _submit(behind, batch)
     assert other.close()
     assert _tree_bytes(path) == reference
 
@@ -160,13 +166,13 @@ def test_bad_entries_raise_by_a_later_submit_or_drain(tmp_path):
     it."""
     writer = _open(tmp_path / "c", 0)
     batches = list(_micro_batches(writer, 2))
-    samples, ids, lps = batches[1]
+    samples, ids, lps, tokens = batches[1]
     lps[1, 5, 0] = float("nan")
     with pytest.raises(CacheError, match="NaN") as info:
         with WriteBehind(writer) as behind:
-            behind.submit(*batches[0])
-            behind.submit(samples, ids, lps)
-            behind.submit(*batches[2])
+            _submit(behind, batches[0])
+            behind.submit(samples, ids, lps, tokens=tokens)
+            _submit(behind, batches[2])
             behind.drain()
     assert "\n" not in str(info.value) and f"sample {samples[0]}" in str(info.value)
     writer.close()
@@ -188,7 +194,7 @@ def test_an_error_on_the_worker_is_raised_and_the_store_resumes(tmp_path, worker
     behind = WriteBehind(writer, depth=2, workers=workers)
     with pytest.raises(CacheWriteError) as info:
         for batch in _micro_batches(writer, 1):
-            behind.submit(*batch)
+            _submit(behind, batch)
         behind.drain()
     msg = str(info.value)
     assert "\n" not in msg and str(bindings) in msg and "cannot write" in msg, msg
@@ -199,7 +205,7 @@ def test_an_error_on_the_worker_is_raised_and_the_store_resumes(tmp_path, worker
     assert again.pending_samples().tolist() == again.samples.tolist()
     with WriteBehind(again, workers=workers) as behind:
         for batch in _micro_batches(again, 1):
-            behind.submit(*batch)
+            _submit(behind, batch)
     assert again.close()
 
 
@@ -207,7 +213,7 @@ def test_the_callers_error_is_not_masked(tmp_path):
     writer = _open(tmp_path / "c", 0)
     with pytest.raises(RuntimeError, match="teacher failed"):
         with WriteBehind(writer) as behind:
-            behind.submit(*next(_micro_batches(writer, 1)))
+            _submit(behind, next(_micro_batches(writer, 1)))
             raise RuntimeError("teacher failed")
     writer._unlock()
 
@@ -225,8 +231,8 @@ def test_a_failing_caller_still_stores_what_it_queued(tmp_path, monkeypatch, wor
     batches = list(_micro_batches(writer, 2))
     with pytest.raises(RuntimeError, match="teacher failed"):
         with WriteBehind(writer, depth=2, workers=workers) as behind:
-            behind.submit(*batches[0])
-            behind.submit(*batches[1])
+            _submit(behind, batches[0])
+            _submit(behind, batches[1])
             raise RuntimeError("teacher failed")
     writer._unlock()  # the failed pass's process would exit here, dropping the rows buffered
     again = _open(tmp_path / "c", 0)

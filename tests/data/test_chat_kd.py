@@ -196,9 +196,11 @@ def _pipeline_worker(rank, world, tmp):
         assert verify(tmp / "masked", progress=False)["tokens_with_entries"] == summary["tokens_with_entries"]
 
         # a cache of another mask (or of none) is refused at start-up, naming both
-        with pytest.raises(CacheError, match="loss mask 'harmony roles=assistant.*this run's data has none"):
+        with pytest.raises(CacheError, match="loss mask differs: the cache's teacher rows were taken under 'harmony "
+                                             "roles=assistant.*this run's data has none"):
             KDDataset(train.base, str(tmp / "masked"), tokenizer=tokenizer, required_samples=SAMPLES)
-        with pytest.raises(CacheError, match="loss mask none \\(every token\\), this run's data has 'harmony"):
+        with pytest.raises(CacheError, match="loss mask differs: the cache's teacher rows were taken under none "
+                                             "\\(every token\\), this run's data has 'harmony"):
             KDDataset(train, str(tmp / "full"), tokenizer=tokenizer, required_samples=SAMPLES)
 
         # the masked loss: padding rows outside the mask give the loss of full rows under the same mask

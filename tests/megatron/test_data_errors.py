@@ -27,7 +27,7 @@ def _cache(path, dataset):
     with CacheWriter(path, vocab_size=tok.vocab_size, topk=K, seq_length=SEQ, num_samples=N, metadata=meta) as w:
         for s in w.pending_samples():
             ids, lps = teacher_topk(SEQ, tok.vocab_size, K)
-            w.write(int(s), ids, lps)
+            w.write(int(s), ids, lps, tokens=dataset[int(s)]["tokens"])
     return path
 
 

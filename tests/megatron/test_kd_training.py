@@ -4,7 +4,8 @@
    gradients as the dense reference on materialized logits, at TP=1 and TP=2, on gloo
 2. KDDataset returns each sample's own teacher rows, for caches captured with DP 1 and DP 2, and
    the context-parallel split keeps each token's teacher row with it
-3. a cache that does not match the run (vocabulary, sequence length, dataset) stops start-up
+3. a cache that does not match the run (vocabulary, sequence length, tokenizer, samples whose
+   tokens its teacher did not read, too few samples) stops start-up
 4. the demo pipeline runs end to end (a few steps)
 """
 
@@ -147,7 +148,7 @@ def _write_cache(path, dataset, dp_size, mbs, n):
             for s in w.pending_samples():
                 torch.manual_seed(int(s))
                 ids, lps = teacher_topk(SEQ, tok.vocab_size, K)
-                w.write(int(s), ids, lps)
+                w.write(int(s), ids, lps, tokens=dataset[int(s)]["tokens"])
                 expected[int(s)] = ids.sort(-1).values
     return expected
 
@@ -166,14 +167,20 @@ def test_dataset_join_returns_each_samples_rows(tmp_path, seed, dp_size, mbs):
 
 
 @pytest.mark.parametrize("override, match", [
-    ({"vocab_size": 300}, "vocab_size is 300, expected 258"),
-    ({"seq_length": SEQ * 2}, f"seq_length is {SEQ * 2}, expected {SEQ}"),
-    ({"meta": {"dataset_fingerprint": "another-dataset"}}, "dataset_fingerprint is 'another-dataset'"),
-    ({"num_samples": 4}, "holds 4 samples, this run consumes 10"),
+    ({"vocab_size": 300}, "vocabulary size differs: the cache's is 300, this run's is 258"),
+    ({"seq_length": SEQ * 2}, f"sequence length differs: the cache's is {SEQ * 2}, this run's is {SEQ}"),
+    ({"meta": {"tokenizer_fingerprint": "another-tokenizer"}},
+     "tokenizer differs: the cache's is 'another-tokenizer', this run's is '"),
+    # the teacher read other tokens for sample 3 (position 20 changed): its rows are not this run's
+    ({"other_tokens": 3}, r"this run needs 10 samples; the cache holds 9 of them\. The first it lacks is sample 3: "
+                          r"the cache's sample 3 was read by the teacher with other tokens \(the first differing "
+                          r"block: positions 16\.\.23\)"),
+    ({"num_samples": 4}, "this run needs 10 samples; the cache holds 4 of them"),
 ])
 def test_mismatched_cache_stops_startup(tmp_path, seed, override, match):
     dataset = make_dataset(tmp_path, num_samples=10)
     n = override.pop("num_samples", 10)
+    other = override.pop("other_tokens", None)
     # the writer validates ids against its own vocab/seq: write data of the overridden shape
     tok = ByteTokenizer()
     meta = {"tokenizer_fingerprint": tokenizer_fingerprint(tok), "dataset_fingerprint": dataset_fingerprint(dataset)}
@@ -182,7 +189,10 @@ def test_mismatched_cache_stops_startup(tmp_path, seed, override, match):
     with CacheWriter(tmp_path / "cache", metadata=meta, **params) as w:
         for s in range(n):
             ids, lps = teacher_topk(params["seq_length"], params["vocab_size"], K)
-            w.write(s, ids, lps)
+            tokens = dataset[s]["tokens"].repeat(params["seq_length"] // SEQ)  # (the window of a longer run)
+            if s == other:
+                tokens[20] = (tokens[20] + 1) % tok.vocab_size
+            w.write(s, ids, lps, tokens=tokens)
     with pytest.raises(CacheError, match=match):
         KDDataset(dataset, str(tmp_path / "cache"), tokenizer=tok, required_samples=10)
 

@@ -111,14 +111,17 @@ def test_cache_records_packing(tmp_path):
                              metadata={"packing": mode, "dataset_fingerprint": dataset_fingerprint(train),
                                        "tokenizer_fingerprint": tokenizer_fingerprint(tok)})
         ids = torch.stack([torch.randperm(tok.vocab_size)[:K] for _ in range(2 * SEQ)]).view(2, SEQ, K).int()
-        writer.write([0, 1], ids, torch.log_softmax(torch.randn(2, SEQ, K), -1))
+        tokens = torch.stack([train[s]["tokens"] for s in (0, 1)])
+        writer.write([0, 1], ids, torch.log_softmax(torch.randn(2, SEQ, K), -1), tokens=tokens)
         writer.close()
         meta = CacheReader(paths[mode]).meta
         assert meta.packing == mode and ("packing" in meta.identity()) == (mode != "none")
     KDDataset(train, paths["documents+positions"], tokenizer=tok, required_samples=2, packing="documents+positions")
-    with pytest.raises(CacheError, match="packing is 'none', expected 'documents\\+positions'"):
+    with pytest.raises(CacheError, match="packing differs: the cache's is 'none', this run's is "
+                                         "'documents\\+positions'"):
         KDDataset(train, paths["none"], tokenizer=tok, required_samples=2, packing="documents+positions")
-    with pytest.raises(CacheError, match="packing is 'documents\\+positions', expected 'none'"):
+    with pytest.raises(CacheError, match="packing differs: the cache's is 'documents\\+positions', this run's "
+                                         "is 'none'"):
         KDDataset(train, paths["documents+positions"], tokenizer=tok, required_samples=2)
 
 
