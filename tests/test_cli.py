@@ -6,7 +6,8 @@ import pytest
 from megatron_kd.cli import main
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "32",
-         "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--train-iters", "1"]
+         "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--train-iters", "1",
+         "--no-gradient-accumulation-fusion"]
 
 
 @pytest.mark.parametrize("argv, message", [

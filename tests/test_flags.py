@@ -33,6 +33,7 @@ from tests.fixtures.tiny_gpt_oss import make_tiny_gpt_oss, tiny_flags
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "2", "--tokenizer-type", "NullTokenizer",
+         "--no-gradient-accumulation-fusion",
          "--vocab-size", "100", "--train-iters", "1", "--global-batch-size", "2"]
 VALUES = ("nan", "inf", "-inf", "0", "-1")
 # flags a value needs beside it to be meaningful (--kd-draws counts draws of sampled mode, --kd-topk

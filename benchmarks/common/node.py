@@ -237,6 +237,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-modules", type=module_list, default=None)
     p.add_argument("--optimizer", choices=tuple(OPTIMIZER_FLAGS), default="megatron")
     p.add_argument("--extra", default="", help="more Megatron-LM / --kd-* flags, one string")
+    p.add_argument("--impl", choices=("auto", "local", "te"), default="auto",
+                   help="the layer spec: megatron-core's local spec with megatron_kd's attention and experts, or "
+                        "Transformer Engine's (auto: TE where it is importable)")
     p.add_argument("--label", default=None, help="name of this configuration in results (default: what differs)")
     p.add_argument("--memory-snapshot", action="store_true")
     p.add_argument("--also", action="append", default=[], metavar="OPTIONS",
@@ -286,7 +289,11 @@ def _finish(p: argparse.ArgumentParser, opts: argparse.Namespace) -> argparse.Na
                 "give the layout (--recompute full, ...)")
     if opts.recompute_modules and opts.recompute in ("none", "plan"):
         p.error("--recompute-modules needs --recompute selective, full or block:N (plan picks its own)")
-    if opts.offload_modules and not importlib.util.find_spec("transformer_engine"):
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    if opts.impl == "te" and not have_te:
+        p.error("--impl te: Transformer Engine is not installed here (launch/install_te.sh)")
+    opts.spec = opts.impl if opts.impl != "auto" else ("te" if have_te else "local")
+    if opts.offload_modules and not have_te:
         p.error("--offload-modules: Megatron's fine-grained activation offloading needs Transformer Engine "
                 "(megatron-core 0.19 asserts --transformer-impl transformer_engine), not installed here")
     return opts
@@ -327,6 +334,8 @@ def layout_label(opts) -> str:
         parts.append("offload=" + ",".join(opts.offload_modules))
     if opts.optimizer != "megatron":
         parts.append(f"optimizer={opts.optimizer}")
+    if opts.impl != "auto":
+        parts.append(f"spec={opts.impl}")
     if opts.extra:
         parts.append(f"extra={opts.extra}")
     return " ".join(parts)
@@ -349,10 +358,20 @@ def data_flags(opts, data_prefix: str) -> list[str]:
             "--eval-iters", "0", "--eval-interval", "1000000", *PACKING_FLAGS[opts.packing]]
 
 
-def no_te_flags() -> list[str]:
+def spec_flags(opts) -> list[str]:
+    """The flags of the configuration's layer spec: the local spec's, or Transformer Engine's (without
+    Apex, no gradient accumulation fusion; GPT-OSS's biased experts without bias-dropout fusion, which
+    TE's grouped experts refuse)."""
     from benchmarks.common.gpt_oss import LOCAL_SPEC_FLAGS
 
-    return [] if importlib.util.find_spec("transformer_engine") else list(LOCAL_SPEC_FLAGS)
+    if opts.spec == "local":
+        return list(LOCAL_SPEC_FLAGS)
+    flags = ["--transformer-impl", "transformer_engine"]
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        flags.append("--no-gradient-accumulation-fusion")
+    if SIZES[opts.size].moe:
+        flags.append("--no-bias-dropout-fusion")
+    return flags
 
 
 def strip_flags(flags: list[str], drop: dict[str, int]) -> list[str]:
@@ -374,7 +393,7 @@ def strip_flags(flags: list[str], drop: dict[str, int]) -> list[str]:
 
 def student_flags(opts) -> list[str]:
     size = SIZES[opts.size]
-    flags = [*strip_flags(size.recipe.flags(), RECIPE_RECOMPUTE_FLAGS), *no_te_flags(), "--seq-length", str(opts.seq)]
+    flags = [*strip_flags(size.recipe.flags(), RECIPE_RECOMPUTE_FLAGS), *spec_flags(opts), "--seq-length", str(opts.seq)]
     if size.moe:
         flags += ["--expert-model-parallel-size", str(min(8, opts.gpus))]
     if opts.layers:
@@ -475,7 +494,7 @@ def cache_build_args(opts, data_prefix: str, teacher: Path, cache: Path) -> list
     """``megatron-kd cache build`` of the tiny teacher at ``teacher`` (``write_teacher``: the size's
     vocabulary) over the runs' data, top-TOPK."""
     model = ["--num-layers", "1", "--hidden-size", str(TEACHER_HIDDEN), "--num-attention-heads", "4",
-             "--max-position-embeddings", str(opts.seq), *no_te_flags(), "--bf16"]
+             "--max-position-embeddings", str(opts.seq), *spec_flags(opts), "--bf16"]
     return ["cache", "build", *data_flags(opts, data_prefix), *model, "--kd-teacher-hf", str(teacher),
             "--kd-cache", str(cache), "--kd-cache-mode", "topk", "--kd-topk", str(TOPK)]
 

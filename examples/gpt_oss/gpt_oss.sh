@@ -37,3 +37,5 @@ GPT_OSS_ARCH=(
 
 source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 GPT_OSS_IMPL=("${KD_IMPL[@]}")  # the local spec without Transformer Engine (common.sh)
+# TE's grouped experts refuse bias-dropout fusion with biased experts (megatron-core asserts)
+if [ -n "$KD_TE" ]; then GPT_OSS_IMPL+=(--no-bias-dropout-fusion); fi

@@ -5,8 +5,9 @@
 distributed start-up, in order, each mistake one line (a ``UserError``):
 
 1. our flag check (``check_megatron_flags``): unknown flags, bad values, the flags Megatron-LM's
-   validation asserts on without a message, every ``--kd-*`` rule, the document-packing flags and
-   the Hugging Face directories (``hf_check``);
+   validation asserts on without a message, every ``--kd-*`` rule, the document-packing flags, the
+   flags that need Transformer Engine or Apex where they are missing, and the Hugging Face
+   directories (``hf_check``);
 2. what the command itself needs (its ``needs``: ``--kd-cache``, ``--kd-teacher-hf``, ``--load``);
 3. Megatron-LM's own ``validate_args``, its output held back;
 4. that the machine has CUDA (``require_cuda``); Megatron-LM's validation asks the GPU for its
@@ -98,6 +99,7 @@ def check_megatron_flags(argv: list[str]) -> argparse.Namespace:
     check_kd_flags(known)
     check_packing_flags(known)
     check_transformer_engine_flags(known)
+    check_apex_flags(known)
     tokenizer_dir = hf_tokenizer_dir(known) if known.tokenizer_model is None else None
     for flag, path in (("--kd-student-hf", known.kd_student_hf), ("--kd-teacher-hf", known.kd_teacher_hf)):
         if path:
@@ -125,6 +127,17 @@ def check_transformer_engine_flags(flags: argparse.Namespace) -> None:
         raise FlagError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} Transformer Engine's layers and this "
                         f"run builds megatron-core's local spec ({why}): drop the flag, or run with Transformer "
                         f"Engine (the NGC image)")
+
+
+def check_apex_flags(flags: argparse.Namespace) -> None:
+    """One line where megatron-core would stop at model build with a traceback: its gradient
+    accumulation fusion (on by default) needs Apex's ``fused_weight_gradient_mlp_cuda`` in every
+    ColumnParallelLinear, on either spec (the TE spec's output layer is one)."""
+    import importlib.util
+
+    if flags.gradient_accumulation_fusion and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        raise FlagError("gradient accumulation fusion (on by default) needs Apex's fused_weight_gradient_mlp_cuda "
+                        "extension, which is not installed: add --no-gradient-accumulation-fusion")
 
 
 def megatron_defaults(flags: argparse.Namespace, args_defaults: dict | None = None) -> dict:

@@ -86,12 +86,14 @@ class HFTeacher:
         hidden = self.model.base_model(input_ids=tokens, **packed).last_hidden_state  # [b, s, h], final norm applied
         if not self._checked:
             # Models that scale or soft-cap logits after lm_head would be cached wrongly: refuse them. On
-            # the first sample's first tokens (causal: the same hidden states as in the whole sample),
-            # since the logits of a whole long sample do not fit (128K x 128,256 in fp32: 63 GiB)
+            # the first sample's first tokens, since the logits of a whole long sample do not fit (128K x
+            # 128,256 in fp32: 63 GiB), and both from one forward of them: hidden states of the whole
+            # sample differ from the short run's by bf16 rounding (other kernels), not by the model
             n = min(tokens.shape[1], LOGITS_CHECK_TOKENS)
             first = {key: value[:1, :n] if torch.is_tensor(value) else value for key, value in packed.items()}
             logits = self.model(input_ids=tokens[:1, :n], **first).logits[0].float()
-            ours = (hidden[0, :n] @ self.head.weight.t()).float()
+            short = self.model.base_model(input_ids=tokens[:1, :n], **first).last_hidden_state[0]
+            ours = (short @ self.head.weight.t()).float()
             err = (logits - ours).norm() / logits.norm().clamp_min(1e-30)
             if err > 1e-3:
                 raise ValueError(f"HF teacher: logits differ from lm_head(last hidden state) by {err:.2e} "

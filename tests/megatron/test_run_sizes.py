@@ -13,6 +13,7 @@ from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--max-position-embeddings", "32", "--micro-batch-size", "1", "--tokenizer-type", "NullTokenizer",
+         "--no-gradient-accumulation-fusion",
          "--vocab-size", "100", "--eval-iters", "2"]
 
 
