@@ -44,6 +44,11 @@ A control shows the comparison has teeth: the windowed layer computed as a full 
 the logits by 0.30 (CPU variant, 320 tokens), and ours must be at least twice as close to the
 windowed model as to that one (ours: 0.01-0.09).
 
+The ``cuda-bf16-te`` variant builds the same student on megatron-core's Transformer Engine spec
+(``--transformer-impl transformer_engine``, what NGC's image runs): TE's fused attention with the
+learnable sinks as its softmax type and the window as its mask, TE's grouped experts, TE's fused
+layer norms, held to the same bounds (skipped where TE is not installed).
+
 ``test_same_check_on_cpu`` runs the same worker in CI: at the same head shape (hidden 256, 320
 tokens, 2.5 windows), in fp32 (math attention, sequential experts: ≤ 1e-4, which checks the name
 and layout mapping and the backward end to end) and in bf16 (math attention, grouped-GEMM experts,
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 from pathlib import Path
 
@@ -66,9 +72,11 @@ import torch.nn.functional as F
 from tests.fixtures.dist_utils import megatron_cpu_patches, spawn
 from tests.fixtures.kd_inputs import rel_err
 from tests.fixtures.tiny_gpt_oss import (
-    HEAD_SHAPE, LOCAL_IMPL, TOKENIZER_TOKENS, VOCAB_ROWS, GptOssShape, make_tiny_gpt_oss, recipe_flags,
+    HEAD_SHAPE, LOCAL_IMPL, TE_IMPL, TOKENIZER_TOKENS, VOCAB_ROWS, GptOssShape, make_tiny_gpt_oss, recipe_flags,
 )
 
+requires_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                                 reason="megatron-core's TE spec needs Transformer Engine")
 FP32_TOL = 1e-4
 YARDSTICK_FACTOR = 3.0
 BF16_FLOOR = 2.0 ** -8
@@ -169,10 +177,12 @@ class Variant:
     dtype: torch.dtype
     shape: GptOssShape
     seq: int
+    spec: str = "local"  # megatron-core's local spec, or "te": its Transformer Engine spec
 
 
 VARIANTS = {
     "cuda-bf16": Variant("cuda", torch.bfloat16, HEAD_SHAPE, 4096),
+    "cuda-bf16-te": Variant("cuda", torch.bfloat16, HEAD_SHAPE, 4096, "te"),
     "cpu-fp32": Variant("cpu", torch.float32, dataclasses.replace(HEAD_SHAPE, hidden=256, intermediate=192), 320),
     "cpu-bf16": Variant("cpu", torch.bfloat16, dataclasses.replace(HEAD_SHAPE, hidden=256, intermediate=192), 320),
 }
@@ -180,7 +190,7 @@ VARIANTS = {
 
 def _flags(v: Variant, hf_dir: Path) -> list[str]:
     """The 20B recipe at the variant's shape, one sequence per step, initialized from ``hf_dir``."""
-    flags = [*recipe_flags("20b", layout=False), *v.shape.arch_flags(), *LOCAL_IMPL,
+    flags = [*recipe_flags("20b", layout=False), *v.shape.arch_flags(), *(TE_IMPL if v.spec == "te" else LOCAL_IMPL),
              "--seq-length", str(v.seq), "--micro-batch-size", "1", "--global-batch-size", "1",
              "--train-iters", "1", "--lr", "1e-4", "--kd-student-hf", str(hf_dir)]
     if v.dtype == torch.bfloat16:
@@ -206,11 +216,18 @@ def _as_hf(params: dict[str, torch.Tensor], shape: GptOssShape) -> dict[str, tor
         out[h + "self_attn.o_proj.weight"] = params[m + "self_attention.linear_proj.weight"]
         out[h + "self_attn.sinks"] = params[m + "self_attention.core_attention.softmax_offset"]
         out[h + "mlp.router.weight"] = params[m + "mlp.router.weight"]
-        experts = [f"{m}mlp.experts.local_experts.{e}." for e in range(shape.experts)]
-        fc1 = torch.stack([params[e + "linear_fc1.weight"] for e in experts])  # [E, 2I, in]: gate rows, linear rows
+        # the local spec's experts are modules; TE's grouped ones hold weight0 .. weight{E-1}
+        if f"{m}mlp.experts.linear_fc1.weight0" in params:
+            fc1s = [params[f"{m}mlp.experts.linear_fc1.weight{e}"] for e in range(shape.experts)]
+            fc2s = [params[f"{m}mlp.experts.linear_fc2.weight{e}"] for e in range(shape.experts)]
+        else:
+            experts = [f"{m}mlp.experts.local_experts.{e}." for e in range(shape.experts)]
+            fc1s = [params[e + "linear_fc1.weight"] for e in experts]
+            fc2s = [params[e + "linear_fc2.weight"] for e in experts]
+        fc1 = torch.stack(fc1s)  # [E, 2I, in]: gate rows, linear rows
         gate, linear = fc1.chunk(2, dim=1)
         out[h + "mlp.experts.gate_up_proj"] = torch.stack([gate, linear], 2).flatten(1, 2).transpose(1, 2)
-        fc2 = torch.stack([params[e + "linear_fc2.weight"] for e in experts])  # [E, out, I]
+        fc2 = torch.stack(fc2s)  # [E, out, I]
         out[h + "mlp.experts.down_proj"] = fc2.transpose(1, 2)
     return out
 
@@ -376,8 +393,9 @@ def _worker(rank, world, tmp, seed, variant):
 
 @pytest.mark.cuda
 @pytest.mark.xdist_group("gpu_memory")  # transformers' eager fp32 attention at 4096 tokens
-def test_bf16_student_on_gpu_is_transformers_within_bf16_error(tmp_path, seed):
-    spawn(_worker, str(tmp_path), seed, "cuda-bf16", world_size=1, backend="nccl")
+@pytest.mark.parametrize("variant", ["cuda-bf16", pytest.param("cuda-bf16-te", marks=requires_te)])
+def test_bf16_student_on_gpu_is_transformers_within_bf16_error(tmp_path, seed, variant):
+    spawn(_worker, str(tmp_path), seed, variant, world_size=1, backend="nccl")
 
 
 @pytest.mark.parametrize("variant", ["cpu-fp32", "cpu-bf16"])
