@@ -53,5 +53,6 @@ def run(export: Export) -> int:
     experts = getattr(config, "num_local_experts", None)
     print_rank_0(f"exported {args.load} (iteration {done['iteration']}) to {export.out}: {config.architectures[0]}, "
                  f"{config.num_hidden_layers} layers" + (f", {experts} experts" if experts else "")
-                 + f", vocabulary {done['vocab']}, {done['dtype']}")
+                 + f", vocabulary {done['vocab']}, {done['dtype']}"
+                 + (", experts in the MXFP4 release layout" if done["experts"] == "mxfp4" else ""))
     return 0

@@ -23,6 +23,7 @@ from megatron_kd.options import (Range, add_option_group, check_ranges, flag_nam
 KD_IMPLS = ("fused", "dense")
 CE_IMPLS = ("fused", "megatron")
 CACHE_MODES = ("topk", "sampled")
+QUANT_FORMATS = ("mxfp4", "nvfp4")  # megatron_kd.ops.quant.FORMATS
 CACHE_CODECS = ("auto", *CODECS)
 # cache build's defaults: the fidelity benchmark's choice (benchmarks/RESULTS.md, "Which cache")
 DEFAULT_CACHE_MODE = "sampled"
@@ -122,6 +123,12 @@ class StudentConfig:
     """Without Transformer Engine or Apex, megatron-core's Adam is torch's AdamW; this builds it
     with fused=True (one kernel per group of tensors, the same fp32 arithmetic). No effect where
     TE's or Apex's FusedAdam is installed."""
+    quant: Literal[QUANT_FORMATS] | None = option(None)
+    """Quantization-aware distillation: the MoE experts' weights (GPT-OSS's MXFP4 set) are
+    fake-quantized in every forward, 'mxfp4' (FP4 E2M1 in blocks of 32 inputs with an E8M0 scale:
+    GPT-OSS's release format) or 'nvfp4' (blocks of 16 with an E4M3 scale and a tensor scale); the
+    gradient passes straight through to the weights the optimizer keeps. megatron_kd's grouped
+    experts (the local spec) only."""
 
 
 @dataclass

@@ -9,7 +9,10 @@ with (Megatron's distributed checkpoints reshard on load; its padded vocabulary 
 the checkpoint), and written through nvidia-modelopt's exporter with the Hugging Face config
 that computes the same function (``models.hf.hf_config_from_args``: GPT-OSS, Llama or Qwen3). The vocabulary has the
 rows of the Hugging Face directory the student started from (``--kd-student-hf``, remembered in
-the checkpoint's arguments), else the tokenizer's; the tokenizer files are copied alongside.
+the checkpoint's arguments), else the tokenizer's; the tokenizer files are copied alongside. A
+student trained with ``--kd-quant`` (remembered in the checkpoint's arguments) is written with its
+experts' weights quantized, as its forward computed with them: GPT-OSS with ``mxfp4`` in the
+release's MXFP4 layout (``models/mxfp4_release.py``), otherwise dense in the run's dtype.
 The command, its flags and its checks: ``commands/export_hf.py``.
 """
 
@@ -51,7 +54,19 @@ def export_hf(args, out: str) -> dict:
 
     model = get_model(model_provider, wrap_with_ddp=False)
     iteration, _ = load_checkpoint(model, None, None, strict=True)
+    quant = args.kd_quant or getattr(saved_args, "kd_quant", None)
+    if quant:  # a QAD student: its experts as its forward saw them, not the optimizer's weights
+        from megatron_kd.models.experts import bake_quantized_experts, quantize_experts
+
+        quantize_experts(unwrap_model(model[0]), quant)
+        bake_quantized_experts(unwrap_model(model[0]))
     dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
     export_hf_weights(unwrap_model(model[0]), out, hf_config, dtype=dtype,
                       tokenizer_dir=template or args.tokenizer_model)
-    return {"iteration": iteration, "config": hf_config, "vocab": vocab, "dtype": dtype}
+    layout = "dense"
+    if quant == "mxfp4" and hf_config.model_type == "gpt_oss":
+        from megatron_kd.models.mxfp4_release import write_mxfp4_experts
+
+        write_mxfp4_experts(out)
+        layout = "mxfp4"
+    return {"iteration": iteration, "config": hf_config, "vocab": vocab, "dtype": dtype, "experts": layout}

@@ -100,6 +100,7 @@ def check_megatron_flags(argv: list[str]) -> argparse.Namespace:
     check_packing_flags(known)
     check_transformer_engine_flags(known)
     check_apex_flags(known)
+    check_quant_flags(known)
     tokenizer_dir = hf_tokenizer_dir(known) if known.tokenizer_model is None else None
     for flag, path in (("--kd-student-hf", known.kd_student_hf), ("--kd-teacher-hf", known.kd_teacher_hf)):
         if path:
@@ -127,6 +128,26 @@ def check_transformer_engine_flags(flags: argparse.Namespace) -> None:
         raise FlagError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} Transformer Engine's layers and this "
                         f"run builds megatron-core's local spec ({why}): drop the flag, or run with Transformer "
                         f"Engine (the NGC image)")
+
+
+def check_quant_flags(flags: argparse.Namespace) -> None:
+    """``--kd-quant`` fake-quantizes megatron_kd's grouped experts: one line where a run has none
+    (a dense model, the TE spec's experts) or where they would take the sequential loop."""
+    from megatron_kd.models.gpt import have_transformer_engine
+
+    if flags.kd_quant is None:
+        return
+    where = f"--kd-quant {flags.kd_quant} fake-quantizes megatron_kd's grouped MoE experts"
+    if not flags.num_experts:
+        raise FlagError(f"{where}, and this model has none (no --num-experts)")
+    if flags.transformer_impl != "local" and have_transformer_engine():
+        raise FlagError(f"{where} (the local spec), and this run builds Transformer Engine's: add "
+                        f"--transformer-impl local")
+    given = [flag for dest, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format")) if getattr(flags, dest, None)]
+    if given or (flags.expert_tensor_parallel_size or 1) != 1 or flags.moe_apply_probs_on_input:
+        why = ", ".join(given) or ("--moe-apply-probs-on-input" if flags.moe_apply_probs_on_input
+                                   else "--expert-tensor-parallel-size above 1")
+        raise FlagError(f"{where}, which {why} sends down megatron-core's sequential loop")
 
 
 def check_apex_flags(flags: argparse.Namespace) -> None:

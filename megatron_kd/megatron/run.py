@@ -26,6 +26,7 @@ from megatron_kd.megatron.kd_data import KDDataset
 from megatron_kd.megatron.loss import KDForwardStep
 from megatron_kd.megatron.loss_mask import with_loss_masks
 from megatron_kd.megatron.packing import DocumentPacking
+from megatron_kd.models.experts import quantize_experts
 from megatron_kd.models.gpt import gpt_model_from_args
 from megatron_kd.models.hf import init_from_hf
 
@@ -46,6 +47,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     model = gpt_model_from_args(args, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
     if args.kd_student_hf and not has_checkpoint(args.load):
         init_from_hf(model, args.kd_student_hf, args)
+    if args.kd_quant:
+        quantize_experts(model, args.kd_quant)
     return model
 
 

@@ -44,6 +44,13 @@ GLU in Triton (expert_activation.py), any other activation compiled by torch.com
 Used where ``grouped_mm`` has a backward (CUDA; CPU in bf16) with expert-tensor-parallel size 1;
 elsewhere the sequential loop runs. Token dispatch (EP all-to-all / all-gather) is megatron-core's.
 
+Quantization-aware distillation (``--kd-quant``, ``weight_quant``): the stacked weights are the
+parameters fake-quantized (``megatron_kd.ops.quant``: MXFP4 or NVFP4 blocks along each expert's
+input dimension, the layout GPT-OSS's release stores), in forward and in the backward's input
+gradient alike; the weight gradient is the one of the quantized weights, passed straight through to
+the parameters the optimizer keeps. The biases stay as they are (the release keeps them in bf16).
+Only this grouped path quantizes: a run whose experts would take the sequential loop is refused.
+
 ``ExpertRowParallelLinear``: megatron-core 0.19's MLP adds an expert's fc2 bias in place, scaled
 by the routing probability (``output += bias * probs``, mlp.py). With expert-parallel and
 expert-tensor-parallel size 1 the row-parallel fc2 routes its output through the identity
@@ -63,6 +70,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.utils import get_pg_size
 
 from megatron_kd.models.expert_activation import clamped_glu, is_quick_gelu
+from megatron_kd.ops.quant import fake_quantize
 
 GROUPED_MM_ALIGN_BYTES = 16  # grouped_mm's row stride must be a multiple of 16 bytes
 
@@ -121,9 +129,11 @@ def bias_column_width(in_features: int, dtype: torch.dtype) -> int:
 class ExpertWeights:
     """How one linear (fc1 or fc2) of the local experts is laid out for grouped_mm: the weights
     stacked [E, out, in], and with biases each expert's bias as column ``in`` of [E, out, width]
-    (zero columns after it). Holds no tensors: the parameters are passed in each time."""
+    (zero columns after it), the weights fake-quantized to ``quant`` where it is set. Holds no
+    tensors: the parameters are passed in each time."""
 
-    def __init__(self, linears):
+    def __init__(self, linears, quant: str | None = None):
+        self.quant = quant
         self.experts = len(linears)
         self.out_features, self.in_features = linears[0].weight.shape
         self.has_bias = linears[0].bias is not None
@@ -136,6 +146,9 @@ class ExpertWeights:
 
     def stack(self, params) -> torch.Tensor:
         weights = params[:self.experts]
+        if self.quant is not None:  # inside the autograd Functions: their backward is straight-through
+            with torch.no_grad():
+                weights = [fake_quantize(w, self.quant) for w in weights]
         if not self.has_bias:
             return torch.stack(weights)
         stacked = weights[0].new_empty(self.experts, self.out_features, self.width)
@@ -244,6 +257,9 @@ class ExpertActivationTap(torch.nn.Module):
 
 
 class GroupedGemmExperts(SequentialMLP):
+    weight_quant: str | None = None
+    """The FP4 format the experts' weights are fake-quantized to (``--kd-quant``), or None."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fc2_input = ExpertActivationTap()
@@ -252,12 +268,16 @@ class GroupedGemmExperts(SequentialMLP):
         x = permuted_local_hidden_states
         if (not grouped_gemm_supported(x) or get_pg_size(self.tp_group) != 1 or self.config.fp8 or self.config.fp4
                 or self.config.moe_apply_probs_on_input):
+            if self.weight_quant is not None:
+                raise ValueError(f"--kd-quant {self.weight_quant}: the experts' fake quantization runs on the grouped "
+                                 f"path only (CUDA, or bf16 on CPU; expert-tensor-parallel size 1; no --fp8-format / "
+                                 f"--fp4-format), and this run's experts take the sequential loop")
             return super().forward(x, tokens_per_expert, permuted_probs)
         fc1 = [e.linear_fc1 for e in self.local_experts]
         fc2 = [e.linear_fc2 for e in self.local_experts]
         counts = torch.as_tensor(tokens_per_expert).to(device=x.device, dtype=torch.int64)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        fc1_layout, fc2_layout = ExpertWeights(fc1), ExpertWeights(fc2)
+        fc1_layout, fc2_layout = ExpertWeights(fc1, self.weight_quant), ExpertWeights(fc2, self.weight_quant)
         h = _GroupedLinear.apply(x, offsets, fc1_layout, True, *ExpertWeights.params(fc1))
         activation = functools.partial(expert_activation, config=self.config, width=fc2_layout.width)
         if recomputes_moe_act(self.config) and torch.is_grad_enabled():  # no grad: nothing kept to recompute
@@ -267,3 +287,28 @@ class GroupedGemmExperts(SequentialMLP):
             out = _GroupedLinear.apply(self.fc2_input(activation(h, permuted_probs), counts), offsets, fc2_layout,
                                        False, *ExpertWeights.params(fc2))
         return out, None
+
+
+def quantize_experts(model: torch.nn.Module, fmt: str) -> int:
+    """Fake-quantize the weights of every ``GroupedGemmExperts`` of ``model`` to ``fmt`` (``--kd-quant``);
+    returns how many there are. None is an error: the flag check refuses the runs that build none."""
+    experts = [m for m in model.modules() if isinstance(m, GroupedGemmExperts)]
+    if not experts:
+        raise ValueError(f"--kd-quant {fmt}: the model has no megatron_kd grouped experts to fake-quantize")
+    for module in experts:
+        module.weight_quant = fmt
+    return len(experts)
+
+
+@torch.no_grad()
+def bake_quantized_experts(model: torch.nn.Module) -> int:
+    """Replace the weights of every fake-quantized ``GroupedGemmExperts`` of ``model`` with their
+    quantized values (what its forward computes with), for export; returns how many weights."""
+    baked = 0
+    for module in model.modules():
+        if isinstance(module, GroupedGemmExperts) and module.weight_quant is not None:
+            for expert in module.local_experts:
+                for linear in (expert.linear_fc1, expert.linear_fc2):
+                    linear.weight.copy_(fake_quantize(linear.weight, module.weight_quant))
+                    baked += 1
+    return baked
