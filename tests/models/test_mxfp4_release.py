@@ -81,3 +81,77 @@ def test_values_that_are_not_mxfp4_are_refused(tmp_path, seed):
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelConfigError, match=rf"{key} holds values that are not MXFP4"):
         write_mxfp4_experts(d)
+
+
+def _qad_export_worker(rank, world, tmp, seed):
+    import os
+    from pathlib import Path
+
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_kd.models.experts import bake_quantized_experts
+    from megatron_kd.models.hf import export_hf_weights, hf_config_from_args
+    from tests.fixtures.dist_utils import megatron_cpu_patches
+    from tests.fixtures.hf_equality import build_gpt_oss_student
+    from tests.fixtures.kd_inputs import rel_err
+    from tests.fixtures.tiny_gpt_oss import VOCAB_ROWS
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    with megatron_cpu_patches():
+        hf_dir = make_tiny_gpt_oss(Path(tmp) / "hf", seed=seed)
+        args, model = build_gpt_oss_student(hf_dir, "--kd-quant", "mxfp4", "--bf16")
+        with torch.no_grad():  # a trained student: its experts' weights off the FP4 grid
+            g = torch.Generator().manual_seed(seed)
+            for name, p in model.named_parameters():
+                if "local_experts" in name and name.endswith("weight"):
+                    p.mul_(1 + 0.3 * torch.rand(p.shape, generator=g).to(p.dtype))
+        tokens = torch.randint(3, TOKENIZER_TOKENS, (1, 32), generator=g)
+        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+        wrapped = Float16Module(model.config, model).eval()
+        with torch.no_grad():
+            ours = wrapped(tokens, positions, None)[..., :VOCAB_ROWS].float()  # the training forward: quantized
+            model.decoder.layers[0].mlp.experts.weight_quant = None
+            unquantized = wrapped(tokens, positions, None)[..., :VOCAB_ROWS].float()
+            model.decoder.layers[0].mlp.experts.weight_quant = "mxfp4"
+        bake_quantized_experts(model)
+        out = Path(tmp) / "export"
+        export_hf_weights(model, out, hf_config_from_args(args, vocab_size=VOCAB_ROWS), dtype=torch.bfloat16,
+                          tokenizer_dir=hf_dir)
+        write_mxfp4_experts(out)
+
+    import transformers
+
+    # the file holds exactly the weights the training forward computed with
+    stored = safetensors_of(out)
+    for i, layer in enumerate(model.decoder.layers):
+        experts = layer.mlp.experts.local_experts
+        for hf_name, linear in (("gate_up_proj", "linear_fc1"), ("down_proj", "linear_fc2")):
+            key = f"model.layers.{i}.mlp.experts.{hf_name}"
+            weights = mxfp4_decode(stored[key + "_blocks"], stored[key + "_scales"], torch.float32)
+            baked = torch.stack([getattr(e, linear).weight.float() for e in experts])
+            if hf_name == "gate_up_proj":  # Megatron's [gate rows; linear rows] -> the release's interleaved rows
+                gate, lin = baked.chunk(2, dim=1)
+                baked = torch.stack([gate, lin], 2).flatten(1, 2)
+            assert torch.equal(weights, baked), key
+
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=dtype).eval()
+        with torch.no_grad():
+            logits[dtype] = exported(input_ids=tokens).logits.float()
+    # the yardstick of test_gpt_oss_cuda_equality.py: what computing this model in bf16 costs transformers
+    err, yardstick = rel_err(ours, logits[torch.float32]), rel_err(logits[torch.bfloat16], logits[torch.float32])
+    control = rel_err(unquantized, logits[torch.float32])
+    print(f"exported MXFP4 student (transformers fp32) vs the training forward (bf16): {err:.2e}; transformers "
+          f"bf16: {yardstick:.2e}; layer 0 unquantized: {control:.2e}")
+    assert err <= 3 * yardstick + 2.0 ** -8, (err, yardstick)
+    assert control > 2 * err, (control, err)  # the comparison sees the quantization of one layer
+
+
+def test_a_qad_student_exports_in_the_release_layout_and_computes_its_training_forward(tmp_path, seed):
+    """A student with --kd-quant mxfp4 (bf16 on CPU: the grouped experts), its experts' weights moved
+    off the FP4 grid as training moves them: baked, exported and written in the release layout,
+    transformers computes the logits of its fake-quantized training forward within bf16 error."""
+    from tests.fixtures.dist_utils import spawn
+
+    spawn(_qad_export_worker, str(tmp_path), seed, world_size=1)
