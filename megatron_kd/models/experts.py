@@ -147,8 +147,10 @@ class ExpertWeights:
     def stack(self, params) -> torch.Tensor:
         weights = params[:self.experts]
         if self.quant is not None:  # inside the autograd Functions: their backward is straight-through
+            # no finiteness check: a host sync per expert and pass; a NaN weight is a diverged run,
+            # which Megatron's loss and gradient checks report
             with torch.no_grad():
-                weights = [fake_quantize(w, self.quant) for w in weights]
+                weights = [fake_quantize(w, self.quant, check_finite=False) for w in weights]
         if not self.has_bias:
             return torch.stack(weights)
         stacked = weights[0].new_empty(self.experts, self.out_features, self.width)

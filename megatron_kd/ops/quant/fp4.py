@@ -62,13 +62,15 @@ _VALUES = {
 }
 
 
-def _check(weight: torch.Tensor, fmt: str) -> int:
+def _check(weight: torch.Tensor, fmt: str, finite: bool = True) -> int:
     if fmt not in FORMATS:
         raise ValueError(f"FP4 format {fmt!r}: expected one of {', '.join(FORMATS)}")
     block = BLOCK_SIZE[fmt]
     if not weight.is_floating_point() or weight.dim() == 0 or weight.shape[-1] % block:
         raise ValueError(f"{fmt}: weight of shape {tuple(weight.shape)} and dtype {weight.dtype}: expected a "
                          f"floating-point tensor whose last dim is a multiple of the block, {block}")
+    if not finite:
+        return block
     finite = torch.isfinite(weight)
     if not bool(finite.all()):  # one sync, and the index only when there is something to report
         where = tuple(int(i) for i in (~finite).nonzero()[0])
@@ -140,11 +142,12 @@ class _FakeQuantize(torch.autograd.Function):
         return grad, None
 
 
-def fake_quantize(weight: torch.Tensor, fmt: str) -> torch.Tensor:
+def fake_quantize(weight: torch.Tensor, fmt: str, *, check_finite: bool = True) -> torch.Tensor:
     """``weight`` quantized to ``fmt`` ("mxfp4" or "nvfp4", blocks along the last dim) and read back,
     in its dtype; differentiable with the straight-through gradient. ValueError for an unknown
-    format, a last dim not a multiple of the block (32 / 16), or a NaN or ±inf in the weight."""
-    _check(weight, fmt)
+    format, a last dim not a multiple of the block (32 / 16), or (``check_finite``: one host sync) a
+    NaN or ±inf in the weight."""
+    _check(weight, fmt, check_finite)
     if weight.numel() == 0:
         return weight.clone()
     return _FakeQuantize.apply(weight, fmt)
