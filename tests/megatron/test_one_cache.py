@@ -5,7 +5,7 @@ description of the data.
 1. what one cache serves (the README's table): the same data at another path, a shorter run, the
    samples of a smaller global batch, the split written with quotes; and what it refuses with the
    count of the samples it holds: another seed, another split, the data rewritten at the same path
-   (documents reordered), one document re-tokenized (the first differing block named)
+   (documents reordered), documents re-tokenized (the first differing block named)
 2. each served sample's rows are those of the cache sample with its tokens
 3. a sample whose tokens change after start-up is refused on read, naming it and the block
 4. other mismatches name the field and both values: a tokenizer of the same size with other tokens,
@@ -148,15 +148,18 @@ def test_data_rewritten_at_the_same_path_is_refused(built):
     shutil.rmtree(built["prefix"] / "cache")  # megatron-core's indices of the old documents' lengths
     dataset = _dataset(built["prefix"])
     needs, holds, message = _refused(lambda: _kd(dataset, built["cache"]))
-    assert (needs, holds) == (BUILT, 0), message
+    # a window inside one document can come back whole under the new order: a few may be held
+    assert needs == BUILT and holds < BUILT // 4, message
 
 
-def test_a_retokenized_document_is_refused_naming_the_block(built):
-    # one token of one document changed (its length kept: megatron-core cuts the same windows)
+def test_retokenized_documents_are_refused_naming_the_block(built):
+    # one token of every document changed (lengths kept: megatron-core cuts the same windows), so
+    # some of the cached windows hold one, whatever the seed's shuffle
     dataset = _dataset(built["prefix"])
     before = [dataset[j]["tokens"].clone() for j in range(BUILT)]
     docs = [list(d) for d in built["docs"]]
-    docs[7][11] = (docs[7][11] + 1) % 256
+    for doc in docs:
+        doc[11] = (doc[11] + 1) % 256
     write_indexed_dataset(built["prefix"], docs, ByteTokenizer().vocab_size)
     changed = _dataset(built["prefix"])
     differ = [j for j in range(BUILT) if not torch.equal(changed[j]["tokens"], before[j])]
