@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megatron_kd.ops.quant import mxfp4_decode
 from megatron_kd.prune.cuts import KeptParts, LayerCut, PruneError
 
 PRUNE_ARRAYS = "prune_scores.npz"
@@ -58,7 +59,6 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # files of a Hugging Face directory that are not weights and describe the same model after the cuts
 _COPIED = ("tokenizer", "special_tokens", "chat_template", "generation_config", "vocab", "merges")
 # FP4 E2M1 values by code (transformers' FP4_VALUES): codes 8-15 are the negatives of 0-7
-_FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def head_rows(heads: list[int], head_dim: int) -> torch.Tensor:
@@ -144,11 +144,8 @@ def cuts_mxfp4_blocks(kept: KeptParts) -> bool:
 def mxfp4_to_dense(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The release's MXFP4 [E, out, in/32, 16] codes and [E, out, in/32] E8M0 scales as the dense
     layout ``save_pretrained`` writes, [E, in, out] in ``dtype`` (exact in bf16: an FP4 E2M1 value
-    has two significant bits, the scale is a power of two). Codes: sign bit 3, magnitude bits 0-2;
-    element 2j in the low nibble, 2j + 1 in the high one (transformers' ``integrations/mxfp4.py``)."""
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], -1).flatten(-2).long()
-    values = _FP4_E2M1[codes] * torch.exp2(scales.float() - 127).unsqueeze(-1)
-    return values.flatten(-2).transpose(-1, -2).to(dtype).contiguous()
+    has two significant bits, the scale is a power of two); decoded by ``ops.quant.mxfp4_decode``."""
+    return mxfp4_decode(blocks, scales, dtype).transpose(-1, -2).contiguous()
 
 
 def dense_experts(tensors: dict[str, torch.Tensor], waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -162,7 +159,10 @@ def dense_experts(tensors: dict[str, torch.Tensor], waiting: dict[str, torch.Ten
         waiting[name] = t
         prefix = name.rsplit("_", 1)[0]
         if prefix + "_blocks" in waiting and prefix + "_scales" in waiting:
-            out[prefix] = mxfp4_to_dense(waiting.pop(prefix + "_blocks"), waiting.pop(prefix + "_scales"))
+            try:
+                out[prefix] = mxfp4_to_dense(waiting.pop(prefix + "_blocks"), waiting.pop(prefix + "_scales"))
+            except ValueError as e:  # a scale byte of 255 (E8M0's NaN), or blocks and scales that disagree
+                raise PruneError(f"{prefix}: {e}") from None
     return out
 
 
