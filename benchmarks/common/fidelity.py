@@ -303,7 +303,9 @@ def _encoded(tok, docs: list[str], counter: list[int]):
 # models, precision, batches
 
 
-def gpt(arch: Arch, vocab: int, seq_length: int, seed: int, device: torch.device):
+def gpt(arch: Arch, vocab: int, seq_length: int, seed: int, device: torch.device, **config_fields):
+    """A megatron-core GPTModel of ``arch`` on the local spec, fp32 weights; ``config_fields``: more
+    TransformerConfig fields (an MoE student's experts)."""
     from megatron.core.transformer import TransformerConfig
 
     from megatron_kd.models.gpt import build_gpt_model
@@ -312,7 +314,7 @@ def gpt(arch: Arch, vocab: int, seq_length: int, seed: int, device: torch.device
     config = TransformerConfig(num_layers=arch.layers, hidden_size=arch.hidden, num_attention_heads=arch.heads,
                                ffn_hidden_size=arch.ffn, use_cpu_initialization=True, params_dtype=torch.float32,
                                attention_dropout=0.0, hidden_dropout=0.0, normalization="RMSNorm",
-                               init_method_std=0.02)
+                               init_method_std=0.02, **config_fields)
     # megatron-core's rotary embedding assumes CUDA; on the CPU, learned absolute positions
     position = "rope" if device.type == "cuda" else "learned_absolute"
     model = build_gpt_model(config, vocab_size=vocab, max_sequence_length=seq_length,

@@ -132,12 +132,13 @@ class ExpertWeights:
     (zero columns after it), the weights fake-quantized to ``quant`` where it is set. Holds no
     tensors: the parameters are passed in each time."""
 
-    def __init__(self, linears, quant: str | None = None):
+    def __init__(self, linears, quant: str | None = None, dtype: torch.dtype | None = None):
         self.quant = quant
         self.experts = len(linears)
         self.out_features, self.in_features = linears[0].weight.shape
         self.has_bias = linears[0].bias is not None
-        self.width = bias_column_width(self.in_features, linears[0].weight.dtype) if self.has_bias else self.in_features
+        self.dtype = linears[0].weight.dtype if dtype is None else dtype  # of the stacked weights
+        self.width = bias_column_width(self.in_features, self.dtype) if self.has_bias else self.in_features
 
     @staticmethod
     def params(linears) -> tuple:
@@ -152,8 +153,8 @@ class ExpertWeights:
             with torch.no_grad():
                 weights = [fake_quantize(w, self.quant, check_finite=False) for w in weights]
         if not self.has_bias:
-            return torch.stack(weights)
-        stacked = weights[0].new_empty(self.experts, self.out_features, self.width)
+            return torch.stack(weights).to(self.dtype)
+        stacked = weights[0].new_empty(self.experts, self.out_features, self.width, dtype=self.dtype)
         for e, (w, b) in enumerate(zip(weights, params[self.experts:])):
             stacked[e, :, :self.in_features].copy_(w)
             stacked[e, :, self.in_features].copy_(b)
@@ -267,7 +268,12 @@ class GroupedGemmExperts(SequentialMLP):
         self.fc2_input = ExpertActivationTap()
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        x = permuted_local_hidden_states
+        x, dtype = permuted_local_hidden_states, None
+        if torch.is_autocast_enabled(x.device.type):
+            # grouped_mm has no autocast rule (torch 2.11): input and stacked weights go to the autocast
+            # dtype, as they would for mm; the parameters' gradients come back in their own dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x = x.to(dtype)
         if (not grouped_gemm_supported(x) or get_pg_size(self.tp_group) != 1 or self.config.fp8 or self.config.fp4
                 or self.config.moe_apply_probs_on_input):
             if self.weight_quant is not None:
@@ -279,7 +285,8 @@ class GroupedGemmExperts(SequentialMLP):
         fc2 = [e.linear_fc2 for e in self.local_experts]
         counts = torch.as_tensor(tokens_per_expert).to(device=x.device, dtype=torch.int64)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        fc1_layout, fc2_layout = ExpertWeights(fc1, self.weight_quant), ExpertWeights(fc2, self.weight_quant)
+        fc1_layout = ExpertWeights(fc1, self.weight_quant, dtype)
+        fc2_layout = ExpertWeights(fc2, self.weight_quant, dtype)
         h = _GroupedLinear.apply(x, offsets, fc1_layout, True, *ExpertWeights.params(fc1))
         activation = functools.partial(expert_activation, config=self.config, width=fc2_layout.width)
         if recomputes_moe_act(self.config) and torch.is_grad_enabled():  # no grad: nothing kept to recompute

@@ -4,7 +4,8 @@
    with their weights replaced by the quantized ones (``bake_quantized_experts``): output, the input
    and probability gradients bitwise; every weight gradient bitwise equal to the gradient of the
    quantized weight (straight through); biases untouched; for MXFP4 and NVFP4, with and without the
-   activation recomputed (bf16 on CPU, where grouped_mm has a backward)
+   activation recomputed (bf16 on CPU, where grouped_mm has a backward); fp32 weights under bf16
+   autocast compute what bf16 weights compute
 2. experts that would take the sequential loop (fp32 on CPU) refuse in one line rather than train
    unquantized
 3. the flag check refuses ``--kd-quant`` in one line for a model without experts and for expert
@@ -53,6 +54,22 @@ def _worker(rank, world, seed):
                     assert torch.equal(p, masters[name]), (case, name)
                     assert torch.equal(grads_q[name], grads_b[name]), (case, name)
                 assert not torch.equal(out_q, _run(_experts_pair(cpu, recompute)[1], *inputs)[0][0]), case
+
+        # fp32 weights under bf16 autocast (mixed precision without Megatron's bf16 copy): grouped_mm has
+        # no autocast rule, so the experts cast as autocast casts mm; they compute what bf16 weights compute
+        # and the fp32 weights get the same gradients
+        for fmt in (None, "mxfp4"):
+            (_, bf16), (_, mixed) = _experts_pair(cpu), _experts_pair(cpu)  # one seed: the same weights
+            mixed.float()
+            bf16.weight_quant = mixed.weight_quant = fmt
+            inputs = _inputs(cpu, seed)
+            (out_b, gx_b, gp_b, grads_b), _ = _run(bf16, *inputs)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                (out_m, gx_m, gp_m, grads_m), _ = _run(mixed, *inputs)
+            assert out_m.dtype == torch.bfloat16 and torch.equal(out_m, out_b), fmt
+            assert torch.equal(gx_m, gx_b) and torch.equal(gp_m, gp_b), fmt
+            for name, grad in grads_m.items():
+                assert grad.dtype == torch.float32 and torch.equal(grad, grads_b[name].float()), (fmt, name)
 
         _, fp32 = _experts_pair(cpu)
         fp32.float().weight_quant = "mxfp4"
