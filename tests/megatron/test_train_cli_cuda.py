@@ -5,7 +5,8 @@
 3. ``megatron-kd train --kd-cache`` distills a smaller student; its log reports kd loss
 4. a cache built for other data stops the student at start-up: the cache holds none of its samples
 5. a distillation killed after 6 of 12 iterations (``--exit-interval``) and relaunched with ``--load``
-   continues with the same losses as an uninterrupted run (same samples, same teacher rows)
+   continues with the same losses as an uninterrupted run (same samples, same teacher rows); so does
+   an MoE student training its experts fake-quantized (``--kd-quant mxfp4``)
 Launched with torchrun on 1 GPU (and TP=2 on 2 GPUs when the machine has them).
 """
 
@@ -111,7 +112,14 @@ def _scalars(tb_dir: Path, tag: str) -> dict[int, float]:
 # Probed on one H200 (2026-11-30, commit 859a96c): the 24 micro-batches of the straight and of the
 # killed + resumed runs had identical tokens and teacher rows (hashes), identical loss sums and
 # identical parameters (checksums) before each.
-def test_killed_distillation_resumes_with_the_same_losses(tmp_path):
+# "qad": an MoE student whose grouped experts train fake-quantized to MXFP4 (--kd-quant): the
+# quantized forward resumes as exactly as the plain one
+QAD_STUDENT = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall",
+               "--kd-quant", "mxfp4"]
+
+
+@pytest.mark.parametrize("student_flags", [[], QAD_STUDENT], ids=["dense", "qad"])
+def test_killed_distillation_resumes_with_the_same_losses(tmp_path, student_flags):
     data = _data(tmp_path)
     teacher_ckpt = tmp_path / "teacher"
     run_cli(["train", *_common(data, tmp_path, 20, 1), *_model(2, 128), "--save", str(teacher_ckpt),
@@ -119,8 +127,8 @@ def test_killed_distillation_resumes_with_the_same_losses(tmp_path):
     cache = tmp_path / "cache"
     run_cli(["cache", "build", *_common(data, tmp_path, 12, 1), *_model(2, 128), "--load", str(teacher_ckpt),
              "--kd-cache", str(cache), "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", 1)
-    student = [*_common(data, tmp_path, 12, 1), *_model(2, 64), "--kd-cache", str(cache), "--kd-tail", "ghost",
-               "--log-interval", "1"]
+    student = [*_common(data, tmp_path, 12, 1), *_model(2, 64), *student_flags, "--kd-cache", str(cache),
+               "--kd-tail", "ghost", "--log-interval", "1"]
     straight_tb, resumed_tb = tmp_path / "tb-straight", tmp_path / "tb-resumed"
     run_cli(["train", *student, "--tensorboard-dir", str(straight_tb)], tmp_path, "straight", 1)
     ckpt = tmp_path / "student"
