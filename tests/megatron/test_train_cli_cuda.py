@@ -7,9 +7,12 @@
 5. a distillation killed after 6 of 12 iterations (``--exit-interval``) and relaunched with ``--load``
    continues with the same losses as an uninterrupted run (same samples, same teacher rows); so does
    an MoE student training its experts fake-quantized (``--kd-quant mxfp4``)
-Launched with torchrun on 1 GPU (and TP=2 on 2 GPUs when the machine has them).
+Launched with torchrun on 1 GPU (and TP=2 on 2 GPUs when the machine has them), on the local spec and,
+where Transformer Engine is installed, on megatron-core's TE spec (1-4 also with packed documents,
+TE's THD attention; 5 with a dense student).
 """
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -21,6 +24,11 @@ from tests.fixtures.cli_utils import run_cli
 
 pytestmark = pytest.mark.cuda
 
+SPECS = {"local": "local", "te": "transformer_engine"}  # --transformer-impl of each layer spec
+requires_te = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None,
+                                 reason="megatron-core's TE spec needs Transformer Engine")
+# packed documents kept apart (Megatron-LM's flags); on the TE spec attention takes its THD path
+PACKED = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 VOCAB = 256  # --tokenizer-type NullTokenizer --vocab-size 256: ids 0..254, end-of-document 255
 EOD = VOCAB - 1
 
@@ -40,13 +48,13 @@ def _data(tmp: Path, seed=0, n_docs=400) -> str:
     return str(write_indexed_dataset(tmp / f"data{seed}" / "docs", docs, VOCAB))
 
 
-def _common(data: str, tmp: Path, iters: int, tp: int) -> list[str]:
+def _common(data: str, tmp: Path, iters: int, tp: int, spec: str = "local") -> list[str]:
     return [
         "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "4",
         "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "1e-3", "--min-lr", "1e-4",
         "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--data-path", data, "--split", "90,5,5",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--bf16", "--seed", "7",
-        "--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+        "--transformer-impl", SPECS[spec], "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
         "--no-masked-softmax-fusion", "--normalization", "RMSNorm",
         "--position-embedding-type", "rope", "--no-rope-fusion", "--untie-embeddings-and-output-weights",
         "--disable-bias-linear",
@@ -63,26 +71,30 @@ def _model(layers: int, hidden: int) -> list[str]:
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
                                                                                reason="needs 2 GPUs"))])
-def test_teacher_cache_student_pipeline(tmp_path, tp):
+@pytest.mark.parametrize("spec, packing", [pytest.param("local", [], id="local"),
+                                           pytest.param("te", [], marks=requires_te, id="te"),
+                                           pytest.param("te", PACKED, marks=requires_te, id="te-packed")])
+def test_teacher_cache_student_pipeline(tmp_path, tp, spec, packing):
     data = _data(tmp_path)
+    common = lambda data, iters: [*_common(data, tmp_path, iters, tp, spec), *packing]  # noqa: E731
     teacher_ckpt = tmp_path / "teacher"
-    run_cli(["train", *_common(data, tmp_path, 60, tp), *_model(4, 256), "--save", str(teacher_ckpt),
-          "--save-interval", "60"], tmp_path, "teacher", tp)
+    run_cli(["train", *common(data, 60), *_model(4, 256), "--save", str(teacher_ckpt),
+             "--save-interval", "60"], tmp_path, "teacher", tp)
 
     cache = tmp_path / "cache"
     student_iters = 30
-    log = run_cli(["cache", "build", *_common(data, tmp_path, student_iters, tp), *_model(4, 256),
-                "--load", str(teacher_ckpt), "--kd-cache", str(cache), "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", tp)
+    log = run_cli(["cache", "build", *common(data, student_iters), *_model(4, 256), "--load", str(teacher_ckpt),
+                   "--kd-cache", str(cache), "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", tp)
     assert f"{student_iters * 8} samples" in log, log[-3000:]
 
-    log = run_cli(["train", *_common(data, tmp_path, student_iters, tp), *_model(2, 128), "--kd-cache", str(cache),
-                "--kd-tail", "ghost", "--tensorboard-dir", str(tmp_path / "tb")], tmp_path, "student", tp)
+    log = run_cli(["train", *common(data, student_iters), *_model(2, 128), "--kd-cache", str(cache),
+                   "--kd-tail", "ghost", "--tensorboard-dir", str(tmp_path / "tb")], tmp_path, "student", tp)
     assert "kd loss" in log and "teacher mass" in log, log[-3000:]
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
     other = _data(tmp_path, seed=1)
-    log = run_cli(["train", *_common(other, tmp_path, student_iters, tp), *_model(2, 128), "--kd-cache", str(cache)],
-               tmp_path, "mismatch", tp, expect_ok=False)
+    log = run_cli(["train", *common(other, student_iters), *_model(2, 128), "--kd-cache", str(cache)],
+                  tmp_path, "mismatch", tp, expect_ok=False)
     assert f"this run needs {student_iters * 8} samples; the cache holds 0 of them" in log, log[-3000:]
 
 
@@ -118,16 +130,18 @@ QAD_STUDENT = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-disp
                "--kd-quant", "mxfp4"]
 
 
-@pytest.mark.parametrize("student_flags", [[], QAD_STUDENT], ids=["dense", "qad"])
-def test_killed_distillation_resumes_with_the_same_losses(tmp_path, student_flags):
+@pytest.mark.parametrize("spec, student_flags", [("local", []), ("local", QAD_STUDENT),
+                                                 pytest.param("te", [], marks=requires_te)],
+                         ids=["dense", "qad", "te"])
+def test_killed_distillation_resumes_with_the_same_losses(tmp_path, spec, student_flags):
     data = _data(tmp_path)
     teacher_ckpt = tmp_path / "teacher"
-    run_cli(["train", *_common(data, tmp_path, 20, 1), *_model(2, 128), "--save", str(teacher_ckpt),
+    run_cli(["train", *_common(data, tmp_path, 20, 1, spec), *_model(2, 128), "--save", str(teacher_ckpt),
              "--save-interval", "20"], tmp_path, "teacher", 1)
     cache = tmp_path / "cache"
-    run_cli(["cache", "build", *_common(data, tmp_path, 12, 1), *_model(2, 128), "--load", str(teacher_ckpt),
+    run_cli(["cache", "build", *_common(data, tmp_path, 12, 1, spec), *_model(2, 128), "--load", str(teacher_ckpt),
              "--kd-cache", str(cache), "--kd-cache-mode", "topk", "--kd-topk", "16"], tmp_path, "build", 1)
-    student = [*_common(data, tmp_path, 12, 1), *_model(2, 64), *student_flags, "--kd-cache", str(cache),
+    student = [*_common(data, tmp_path, 12, 1, spec), *_model(2, 64), *student_flags, "--kd-cache", str(cache),
                "--kd-tail", "ghost", "--log-interval", "1"]
     straight_tb, resumed_tb = tmp_path / "tb-straight", tmp_path / "tb-resumed"
     run_cli(["train", *student, "--tensorboard-dir", str(straight_tb)], tmp_path, "straight", 1)
