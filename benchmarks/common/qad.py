@@ -52,7 +52,10 @@ class QADBench(Bench):
                    num_moe_experts=self.s.experts, moe_router_topk=self.s.topk, moe_ffn_hidden_size=arch.hidden,
                    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
                    moe_token_dispatcher_type="allgather", gated_linear_unit=True, activation_func=F.silu,
-                   bias_activation_fusion=False)
+                   bias_activation_fusion=False,
+                   # fp32 router: megatron-core's router backward multiplies its gradient by the weight
+                   # in the router dtype, and under autocast the fp32 weight meets a bf16 gradient
+                   moe_router_dtype="fp32")
 
     def heldout(self, model, teacher=None) -> dict:
         # in the training autocast: the grouped experts take its dtype (fp32 weights quantize alike)

@@ -108,9 +108,11 @@ def test_qdq_on_cuda_equals_modelopt_on_cuda(seed, fmt, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_edge_cases_on_cuda(fmt):
-    """The hand-made edge cases below on a GPU: ModelOpt's bits there, and the CPU's where no scale
-    comes from a division by a Python float (CUDA multiplies by its reciprocal, rounded: NVFP4's s2)."""
-    for w, same_as_cpu in [(tie_block(fmt, -4), True), (scale_range_rows(), fmt == "mxfp4")]:
+    """The hand-made edge cases below on a GPU: ModelOpt's bits there, and the CPU's for the ties,
+    whose scales are exact powers of two. Not for the scale range: CUDA divides by multiplying with a
+    rounded reciprocal (NVFP4's s2) and its fp32 arithmetic on subnormal amax differs from the CPU's
+    (MXFP4's 1e-38 and 1e-40 blocks, seen on one H100 2026-12-08), as ModelOpt's does on each."""
+    for w, same_as_cpu in [(tie_block(fmt, -4), True), (scale_range_rows(), False)]:
         q = fake_quantize(w.cuda(), fmt)
         assert_same_bits(q, modelopt_qdq(w.cuda(), fmt))
         if same_as_cpu:
