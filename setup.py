@@ -45,6 +45,9 @@ setup(
         # pytest-xdist: the GPU test command runs its CUDA tests on several workers
         # megatron-kd gguf-to-hf: transformers reads GGUF files with gguf and loads them through accelerate
         "gguf": ["gguf>=0.17", "accelerate"],
+        # megatron_kd.bridge: Megatron-Bridge recipes distilled from the cache (0.6.x: the training API it calls;
+        # compat.SUPPORTED). Its import needs Transformer Engine (NGC's PyTorch image has it)
+        "bridge": ["megatron-bridge>=0.6.2,<0.7"],
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "gguf>=0.17", "accelerate"],
         "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist", "ruff", "gguf>=0.17", "accelerate"],
     },

@@ -14,6 +14,7 @@ a dependency; it only hides a circle until the day it runs). The layers, lowest 
     teacher                           the cache-building pass
     prune                             students cut from the teacher
     demo                              the CPU demo
+    bridge                            Megatron-Bridge recipes distilled from the cache (an extra)
     commands                          one module per verb of ``megatron-kd``
     cli, train                        entry points
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).parents[1] / "megatron_kd"
 LAYERS = [("errors", "version", "distributed", "options"), ("ops", "optim"), ("cache",), ("models",), ("console",),
-          ("megatron",), ("data",), ("teacher",), ("prune",), ("demo",), ("commands",), ("cli", "train")]
+          ("megatron",), ("data",), ("teacher",), ("prune",), ("demo",), ("bridge",), ("commands",), ("cli", "train")]
 # the command line: what no library imports
 ENTRY_UNITS = ("commands", "cli", "train")
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}

@@ -82,17 +82,24 @@ def build_gpt_model(config: TransformerConfig, *, vocab_size: int, max_sequence_
         seq_len_interpolation_factor=seq_len_interpolation_factor, rope_scaling=rope_scaling,
         rope_scaling_factor=rope_scaling_factor, vp_stage=vp_stage,
     )
-    if not use_te:  # the local spec rotates by sequence index: packed documents bring their own positions
-        from megatron_kd.models.documents import install_document_positions
-        from megatron_kd.models.rope import install_fused_rope
-
-        install_document_positions(model)
-        install_fused_rope()  # q and k rotated in one kernel per direction on CUDA (rope.py)
-        if config.num_moe_experts:
-            from megatron_kd.models.moe_permutation import install_moe_permutation
-
-            install_moe_permutation()  # the token permutation's sums as gathers on CUDA (moe_permutation.py)
+    if not use_te:
+        install_local_spec_extras(model)
     return model
+
+
+def install_local_spec_extras(model: GPTModel) -> None:
+    """What a GPTModel on the local spec gets besides its layers (``build_gpt_model``, and Bridge's
+    providers through ``megatron_kd.bridge``)."""
+    from megatron_kd.models.documents import install_document_positions
+    from megatron_kd.models.rope import install_fused_rope
+
+    # the local spec rotates by sequence index: packed documents bring their own positions
+    install_document_positions(model)
+    install_fused_rope()  # q and k rotated in one kernel per direction on CUDA (rope.py)
+    if model.config.num_moe_experts:
+        from megatron_kd.models.moe_permutation import install_moe_permutation
+
+        install_moe_permutation()  # the token permutation's sums as gathers on CUDA (moe_permutation.py)
 
 
 def gpt_model_from_args(args, config: TransformerConfig | None = None, *, pre_process: bool = True,
