@@ -30,11 +30,10 @@ healing and after each variant, and the fraction of the pruned-to-teacher gap ea
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 
-from benchmarks.common.fidelity import PRESETS, _setup, _start_process, preset_overrides
+from benchmarks.common.fidelity import PRESETS, _setup, _start_process, preset_overrides, write_results
 from benchmarks.common.heal import HEAL_PRESETS, LEVELS, VARIANTS, HealBench, markdown
 
 
@@ -65,12 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "results.partial.json").unlink(missing_ok=True)
     _start_process(preset, device)
     results = bench.heal({k: LEVELS[k] for k in opts.levels.split(",")}, variants, opts.calib_samples)
-    shutil.rmtree(out / "work")
-    (out / "results.partial.json").unlink(missing_ok=True)
     results["preset_name"] = opts.size
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(out, results, markdown(results))
     return 0
 
 

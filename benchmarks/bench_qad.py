@@ -30,11 +30,10 @@ Writes OUT/results.json and OUT/results.md.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 
-from benchmarks.common.fidelity import PRESETS, _setup, _start_process, preset_overrides
+from benchmarks.common.fidelity import PRESETS, _setup, _start_process, preset_overrides, write_results
 from benchmarks.common.qad import QADBench, QADSettings, markdown
 from megatron_kd.ops.quant import FORMATS
 
@@ -70,11 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(stale, ignore_errors=True)
     _start_process(preset, device)
     results = bench.run_qad()
-    shutil.rmtree(out / "work")
-    (out / "results.partial.json").unlink(missing_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(markdown(results))
-    print(markdown(results))
+    write_results(out, results, markdown(results))
     return 0
 
 

@@ -1098,6 +1098,16 @@ def _setup(size: str, out, variants, dtype: str, overrides: dict):
     return preset, chosen, device, autocast, out
 
 
+def write_results(out: Path, results: dict, report: str) -> None:
+    """The end of a run: its work directory and partial results gone, results.json and results.md
+    (``report``) written, the report printed."""
+    shutil.rmtree(out / "work")
+    (out / "results.partial.json").unlink(missing_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(report)
+    print(report)
+
+
 def _start_process(preset: Preset, device: torch.device):
     from megatron_kd.demo import _init_single_process
 

@@ -85,27 +85,14 @@ def import_bridge() -> None:
 
 
 # ----------------------------------------------------------------------------- 2. the CPU
-class _IdleCudaStream:
-    """``torch.cuda.Stream()`` on the CPU: a stream that waits on nothing."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-
 @contextlib.contextmanager
 def cpu_training():
     """Bridge's and Megatron-LM's ``pretrain`` on CPU tensors over a gloo world (module docstring, 2)."""
     import megatron.training.training as megatron_training
 
-    from tests.fixtures.megatron_cpu import megatron_optimizer_cpu_patches
+    from tests.fixtures.megatron_cpu import IdleStream, megatron_optimizer_cpu_patches
 
-    patched = [(torch.cuda, "Stream", _IdleCudaStream),
+    patched = [(torch.cuda, "Stream", IdleStream),
                (megatron_training, "initialize_megatron",
                 functools.partial(megatron_training.initialize_megatron, allow_no_cuda=True))]
     try:
